@@ -1,0 +1,228 @@
+"""The message contract between Subway's processes.
+
+Every message that crosses a socket is one of the structs below, encoded with
+msgspec as MessagePack. Each socket direction has its own tagged union, so a
+receiver decodes exactly the messages it may get and nothing else.
+
+    frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello)
+    workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError)
+    scheduler -> workers   : ToWorker      (Plan, Shutdown)
+    scheduler -> frontend  : ToFrontend    (EngineReady, Deltas, EngineError)
+
+Token ids travel as a `TokenRef`: an offset and a length into a shared-memory
+token buffer on one host, or the ids inline when the processes are on
+different hosts (or the buffer is full).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where a run of token ids lives: `ids` inline, or `length` ids at `offset` in a shm buffer."""
+
+    offset: int = -1
+    length: int = 0
+    ids: list[int] | None = None
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-request sampling and stopping rules that the scheduler and the workers need.
+
+    Stop *strings* are the frontend's business (they need text); everything
+    decided on token ids is here.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs per sampled token; None: off
+
+
+# ---------------------------------------------------------------- frontend -> scheduler
+
+
+class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    request_id: str
+    prompt: TokenRef
+    prompt_len: int
+    sampling: SamplingParams
+    arrival_time: float  # time.time() at the frontend
+    priority: int = 0  # lower is served first
+    slo_ttft_ms: float | None = None
+    slo_class: str = "interactive"  # or "batch"
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class FrontendHello(msgspec.Struct, tag="hello"):
+    """Sent by a frontend when it starts; the scheduler answers with EngineReady once it is."""
+
+    pid: int
+
+
+ToScheduler = AddRequest | AbortRequest | FrontendHello
+
+
+# ---------------------------------------------------------------- workers -> scheduler
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    rank: int
+    pid: int
+    num_blocks: int  # KV blocks this rank can hold (the scheduler takes the minimum)
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    sampled_shm: str | None = None  # rank 0: name of the shm buffer it writes sampled ids to
+
+
+class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
+    """Rank 0's answer to plan `step`: one sampled token per sequence that sampled, in plan order."""
+
+    step: int
+    seq_ids: list[int]
+    tokens: TokenRef
+    # For each sampled token, when logprobs were asked: its logprob, top ids and top logprobs.
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    forward_time: float = 0.0  # seconds the worker spent on the step
+    idle_time: float = 0.0  # seconds the worker waited for this plan after the previous step
+
+
+class WorkerError(msgspec.Struct, tag="worker_error"):
+    rank: int
+    message: str
+
+
+FromWorker = WorkerReady | StepResult | WorkerError
+
+
+# ---------------------------------------------------------------- scheduler -> workers
+
+
+class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A sequence's full state, sent once, on first sight."""
+
+    seq_id: int
+    prompt: TokenRef
+    sampling: SamplingParams
+
+
+class SeqStep(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence's part of a step.
+
+    The sequence brings `num_tokens` new tokens at positions
+    `start_pos .. start_pos + num_tokens - 1`; the worker takes them from its own
+    copy of the sequence's tokens (prompt, then every token it sampled). The
+    KV cache already holds positions `0 .. start_pos - 1`. `new_blocks` are
+    appended to the worker's block table for the sequence. When `sample` is
+    set (a decode, or the last chunk of a prefill), the worker samples the
+    next token from the last position.
+    """
+
+    seq_id: int
+    start_pos: int
+    num_tokens: int
+    new_blocks: list[int] = []
+    sample: bool = True
+
+
+class Plan(msgspec.Struct, tag="plan", omit_defaults=True):
+    step: int
+    seqs: list[SeqStep]
+    new_seqs: list[NewSeq] = []
+    # Sequences to forget (finished or aborted): the worker drops their state.
+    finished: list[int] = []
+    # Sequences preempted by recompute: the worker clears their block tables
+    # but keeps their tokens; they return later with start_pos 0 (or a cached prefix).
+    preempted: list[int] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToWorker = Plan | Shutdown
+
+
+# ---------------------------------------------------------------- scheduler -> frontend
+
+
+class EngineReady(msgspec.Struct, tag="engine_ready"):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request since the last delta; `finish_reason` set on its last delta."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class EngineStats(msgspec.Struct, omit_defaults=True):
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted_total: int = 0
+    batch_size: int = 0
+    num_batched_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    scheduler_time: float = 0.0  # seconds spent planning the last step
+    worker_idle_time: float = 0.0  # seconds the workers waited for the last plan
+    step_time: float = 0.0
+
+
+class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):
+    deltas: list[RequestDelta]
+    stats: EngineStats | None = None
+
+
+class EngineError(msgspec.Struct, tag="engine_error"):
+    """The engine can no longer serve (a worker died, say); in-flight requests should fail."""
+
+    message: str
+
+
+ToFrontend = EngineReady | Deltas | EngineError
+
+
+class Codec:
+    """A MessagePack encoder plus a decoder for one socket direction's union."""
+
+    def __init__(self, union: object) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self.encoder.encode(msg)
+
+    def decode(self, data: bytes):
+        return self.decoder.decode(data)

@@ -1,0 +1,76 @@
+"""Shared fixtures: the default model (converted once) and tiny random-weight models.
+
+Tiny models are built with `transformers` from a seed and saved in Hugging
+Face format with the default model's tokenizer, once per test session.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from subway.worker.default_model import ensure_default_model
+
+    return ensure_default_model(quiet=True)
+
+
+def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is small; widen it so that greedy choices are decisive, not near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)  # so that a norm weight that is not loaded shows
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)  # biases (Qwen2's q/k/v)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        arch: build_tiny_model(arch, os.path.join(root, arch), default_model)
+        for arch in TINY_ARCHS
+    }

