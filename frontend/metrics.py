@@ -45,7 +45,9 @@ class Metrics:
         self.scheduler_time = gauge("scheduler_step_seconds", "Scheduler time for the last plan.")
         self.worker_idle = gauge("worker_idle_seconds", "Worker wait for the last plan.")
         self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")

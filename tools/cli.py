@@ -15,7 +15,9 @@ POLICIES = ("fcfs", "priority", "sjf", "edf", "static")
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig(run_id="x")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="", help="Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", default="", help="Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--served-model-name", default="")
     g.add_argument("--tokenizer", default="")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES)

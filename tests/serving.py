@@ -1,0 +1,92 @@
+"""Start and stop a real `subway serve` for tests: every process, real sockets, real HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `subway serve` subprocess on a free port with its own run id."""
+
+    def __init__(self, model: str, *flags: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.run_id = "t" + uuid.uuid4().hex[:8]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "subway.tools.cli", "serve", "--port", str(self.port)]
+        cmd += ["--run-id", self.run_id, "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+        if model:
+            cmd += ["--model", model]
+        self.log = tempfile.NamedTemporaryFile(prefix="subway-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([*cmd, *flags], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited early:\n{self.read_output()}")
+            if self.healthy():
+                return
+            time.sleep(0.2)  # a bounded wait for readiness, not synchronisation
+        self.stop()
+        raise RuntimeError(f"serve did not become healthy:\n{self.read_output()}")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=False)
+        except psutil.NoSuchProcess:
+            return []
+
+    def child(self, kind: str) -> psutil.Process:
+        for c in self.children():
+            if kind in c.cmdline()[3:5]:
+                return c
+        raise LookupError(kind)
+
+    def shm_files(self) -> list[str]:
+        return [f for f in os.listdir("/dev/shm") if self.run_id in f]
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {name{labels}: value}, parsed by prometheus_client."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def read_output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for c in self.children():
+                c.kill()
+            self.proc.kill()
+            return self.proc.wait()
