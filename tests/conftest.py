@@ -71,6 +71,5 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
 def tiny_models(tmp_path_factory, default_model) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     return {
-        arch: build_tiny_model(arch, os.path.join(root, arch), default_model)
-        for arch in TINY_ARCHS
+        arch: build_tiny_model(arch, os.path.join(root, arch), default_model) for arch in TINY_ARCHS
     }

@@ -1,0 +1,149 @@
+"""Incremental detokenization and stop strings, per request.
+
+Token ids arrive a few at a time; the text shown to a client must be exactly
+what decoding all ids at once gives, cut at the first stop string, and no piece
+may hold half a character or the start of a stop string that is not yet decided.
+
+Decoding uses the usual two offsets: `prefix_offset..read_offset` is a small
+window of ids already turned into text, decoded again together with the new
+ids, so that tokenizers that depend on context (leading spaces, byte-level
+merges) decode the new ids as they would in the full sequence. Text ending in
+U+FFFD is an incomplete UTF-8 character: it is held back until completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 5  # prompt ids decoded with the first new ids, for context
+
+
+class IncrementalDetokenizer:
+    """Turns ids, one at a time, into text pieces that never split a character."""
+
+    def __init__(
+        self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-PROMPT_CONTEXT:])
+        if context and self._decode(context).endswith(REPLACEMENT):
+            context = []  # the prompt ends inside a character: its text would swallow ours
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _pending(self) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def add(self, token_id: int) -> str:
+        """Append one id; returns the text it completes (often "", never a partial character)."""
+        self.ids.append(token_id)
+        text = self._pending()
+        if not text or text.endswith(REPLACEMENT):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return text
+
+    def flush(self) -> str:
+        """At the end of the request: whatever is held back, incomplete characters included."""
+        text = self._pending()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text
+
+
+class StopStringMatcher:
+    """Cuts text at the first stop string, holding back any tail that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.text = ""  # everything fed so far
+        self.released = 0  # len of text already handed out
+        self.stopped = False
+
+    def _held_tail(self) -> int:
+        """Length of the longest tail of the unreleased text that is a proper prefix of a stop."""
+        pending = len(self.text) - self.released
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, pending), best, -1):
+                if self.text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def feed(self, piece: str) -> str:
+        """Add text; returns what may be shown now. Sets `stopped` when a stop string appears."""
+        if self.stopped or not piece:
+            return ""
+        self.text += piece
+        if not self.stops:
+            self.released = len(self.text)
+            return piece
+        longest = max(len(s) for s in self.stops)
+        start = max(0, self.released - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+        else:
+            end = len(self.text) - self._held_tail()
+        out = self.text[self.released : end]
+        self.released = max(self.released, end)
+        return out
+
+    def flush(self) -> str:
+        """At the end of the request: the held-back tail, which turned out not to be a stop."""
+        if self.stopped:
+            return ""
+        out = self.text[self.released :]
+        self.released = len(self.text)
+        return out
+
+
+@dataclass
+class DetokenizedStep:
+    text: str  # new text, safe to show
+    num_tokens: int  # ids consumed: all of them, or up to the one that completed a stop string
+    stopped: bool  # a stop string matched: the request is over, with finish_reason "stop"
+
+
+class Detokenizer:
+    """One request's output text: incremental decoding followed by stop strings."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int] = (),
+        stops: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.decoder = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.matcher = StopStringMatcher(stops)
+
+    def add(self, token_ids: Sequence[int]) -> DetokenizedStep:
+        pieces = []
+        for i, token_id in enumerate(token_ids):
+            pieces.append(self.matcher.feed(self.decoder.add(token_id)))
+            if self.matcher.stopped:
+                return DetokenizedStep("".join(pieces), i + 1, True)
+        return DetokenizedStep("".join(pieces), len(token_ids), False)
+
+    def finish(self) -> DetokenizedStep:
+        """The request ended on the engine's side: release everything held back."""
+        text = self.matcher.feed(self.decoder.flush())
+        if self.matcher.stopped:
+            return DetokenizedStep(text, 0, True)
+        return DetokenizedStep(text + self.matcher.flush(), 0, False)

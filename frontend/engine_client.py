@@ -1,0 +1,277 @@
+"""The frontend's bridge to the scheduler: requests out, token deltas back, over ZeroMQ.
+
+One `EngineClient` per frontend process, used from its event loop only. It
+pushes `ToScheduler` messages to `config.scheduler_addr` and binds a PULL at
+`config.frontend_addr` for `ToFrontend` messages, which a background task
+routes to per-request queues.
+
+Prompt ids go through a shared-memory `TokenBuffer` that this client owns
+(creates and unlinks). A prompt's run is freed when its first delta arrives:
+by then the workers have read it. A run of an aborted request is freed only
+when a later delta for it arrives or after `abort_release_s`, because a plan
+that reads it may already be on its way to the workers.
+
+Sends use NOBLOCK and never await, so that an abort can be sent from a
+`finally` block of a cancelled task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Codec,
+    Deltas,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    FrontendHello,
+    RequestDelta,
+    SamplingParams,
+    ToFrontend,
+    TokenRef,
+    ToScheduler,
+)
+from subway.ipc.shm import RingAllocator, TokenBuffer
+from subway.ipc.sockets import bind, cleanup_ipc, connect
+
+log = logging.getLogger("subway.frontend")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve this request: not ready, failed, silent, or shutting down."""
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        heartbeat_timeout: float = 3.0,
+        fail_after: float = 30.0,
+        abort_release_s: float = 10.0,
+    ) -> None:
+        """`heartbeat_timeout`: silence after which `healthy` turns false;
+        `fail_after`: silence after which in-flight requests fail."""
+        self.config = config
+        self.heartbeat_timeout = heartbeat_timeout
+        self.fail_after = fail_after
+        self.abort_release_s = abort_release_s
+        self.info: EngineReady | None = None
+        self.stats: EngineStats | None = None
+        self.error: str | None = None
+        self._last_seen = 0.0
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._runs: dict[str, int] = {}  # request id -> offset of its prompt in shm
+        self._codec_out = Codec(ToScheduler)
+        self._codec_in = Codec(ToFrontend)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._buffer: TokenBuffer | None = None
+        self._alloc: RingAllocator | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler said EngineReady and has not reported an error since."""
+        return self.info is not None and self.error is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and time.monotonic() - self._last_seen < self.heartbeat_timeout
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._pull is not None:
+            return
+        cfg = self.config
+        self._ctx = zmq.asyncio.Context()
+        self._pull = bind(self._ctx, zmq.PULL, cfg.frontend_addr)
+        self._push = connect(self._ctx, zmq.PUSH, cfg.scheduler_addr, SNDHWM=0)
+        if cfg.use_shm:
+            self._buffer = TokenBuffer.create(cfg.prompt_shm_name, cfg.prompt_shm_tokens)
+            self._alloc = RingAllocator(self._buffer.capacity)
+        self._send(FrontendHello(pid=os.getpid()))
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="subway-engine-reader"),
+            asyncio.create_task(self._watchdog(), name="subway-engine-watchdog"),
+        ]
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.close()
+
+    def close(self) -> None:
+        """Fail what is in flight, close the sockets, unlink the shm. Idempotent."""
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        self._fail_all(EngineDeadError("the frontend is shutting down"))
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._pull is not None:
+            cleanup_ipc(self.config.frontend_addr)
+        self._push = self._pull = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = self._alloc = None
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 0,
+        slo_ttft_ms: float | None = None,
+        slo_class: str = "interactive",
+    ) -> AsyncIterator[RequestDelta]:
+        """The deltas of one request, up to the one with a finish_reason.
+
+        Raises EngineDeadError if the engine cannot serve. Leaving early (close,
+        cancel, exception in the consumer) sends AbortRequest: use
+        `contextlib.aclosing` so that this happens at once.
+        """
+        if not self.ready or self._push is None:
+            raise EngineDeadError(self.error or "the engine is not ready")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(
+                AddRequest(
+                    request_id=request_id,
+                    prompt=self._prompt_ref(request_id, prompt_ids),
+                    prompt_len=len(prompt_ids),
+                    sampling=sampling,
+                    arrival_time=time.time(),
+                    priority=priority,
+                    slo_ttft_ms=slo_ttft_ms,
+                    slo_class=slo_class,
+                )
+            )
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if finished:
+                self._release(request_id)
+            else:
+                with contextlib.suppress(EngineDeadError):
+                    self._send(AbortRequest(request_id=request_id))
+                self._release_later(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream (it then ends with an EngineDeadError)."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError("aborted"))
+
+    # ------------------------------------------------------------ internals
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        if self._push is None:
+            raise EngineDeadError("the engine client is closed")
+        fut = self._push.send(self._codec_out.encode(msg), zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            raise EngineDeadError(f"cannot reach the scheduler: {fut.exception()}")
+
+    def _prompt_ref(self, request_id: str, ids: Sequence[int]) -> TokenRef:
+        if self._alloc is not None and self._buffer is not None:
+            offset = self._alloc.alloc(len(ids))
+            if offset is not None:
+                self._buffer.write(offset, ids)
+                self._runs[request_id] = offset
+                return TokenRef(offset=offset, length=len(ids))
+        return TokenRef(ids=list(ids))
+
+    def _release(self, request_id: str) -> None:
+        offset = self._runs.pop(request_id, None)
+        if offset is not None and self._alloc is not None:
+            self._alloc.free(offset)
+
+    def _release_later(self, request_id: str) -> None:
+        if request_id in self._runs:
+            with contextlib.suppress(RuntimeError):  # no running loop: at shutdown
+                asyncio.get_running_loop().call_later(
+                    self.abort_release_s, self._release, request_id
+                )
+
+    def _fail_all(self, error: Exception) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _handle(self, msg) -> None:
+        self._last_seen = time.monotonic()
+        if isinstance(msg, Deltas):
+            for delta in msg.deltas:
+                self._release(delta.request_id)
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+            if msg.stats is not None:
+                self.stats = msg.stats
+        elif isinstance(msg, EngineReady):
+            self.info = msg
+            self.error = None
+            log.info("engine ready: %s", msg)
+        elif isinstance(msg, EngineError):
+            self.error = msg.message or "engine error"
+            log.error("engine error: %s", self.error)
+            self._fail_all(EngineDeadError(f"engine error: {self.error}"))
+
+    async def _read_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = self._codec_in.decode(data)
+            except msgspec.DecodeError as e:
+                log.error("undecodable message from the scheduler: %s", e)
+                continue
+            self._handle(msg)
+
+    async def _watchdog(self) -> None:
+        """Fail in-flight requests when a ready scheduler has been silent for `fail_after`."""
+        while True:
+            await asyncio.sleep(min(0.5, self.fail_after / 4))
+            silent = time.monotonic() - self._last_seen
+            if self.info is not None and self._queues and silent > self.fail_after:
+                self._fail_all(EngineDeadError(f"no word from the scheduler for {silent:.1f} s"))

@@ -1,0 +1,45 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from subway.frontend.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a request's handling; turned into an error response by the app."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        kind = _TYPES.get(self.status, "invalid_request_error")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.status)
+        )
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the first offending field."""
+    err = e.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    message = err.get("msg", "invalid request")
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {message}")
+    return APIError(400, f"{loc}: {message}" if loc else message, param=loc or None)

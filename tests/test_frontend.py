@@ -1,0 +1,732 @@
+"""A live frontend (`python -m subway.frontend`) against a fake scheduler thread.
+
+The fake scheduler speaks the real contract over the real sockets: it answers
+FrontendHello with EngineReady (once `ready_gate` is set), and each AddRequest
+by streaming back the prompt's ids (then EOS unless the prompt fills
+max_tokens; with ignore_eos it cycles the prompt up to max_tokens), `chunk`
+tokens per Deltas every `token_delay` seconds. It records every AddRequest
+(with its prompt ids) and every AbortRequest, sends a heartbeat (an empty
+Deltas with stats) every 0.3 s unless `paused`, and sends EngineError or
+EngineReady on demand. zmq sockets are not thread-safe: everything that
+touches them runs in the fake's own thread.
+
+The tests share one frontend process and run in file order; the last HTTP
+test stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import zmq
+
+from subway.frontend.engine_client import EngineClient, EngineDeadError
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    Codec,
+    Deltas,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    FrontendHello,
+    RequestDelta,
+    SamplingParams,
+    ToFrontend,
+    ToScheduler,
+)
+from subway.ipc.shm import TokenBuffer
+from subway.ipc.sockets import bind, cleanup_ipc, connect
+
+EOS = 2
+MODEL = "smol-test"
+
+
+@dataclass
+class _Live:
+    add: AddRequest
+    output: list[int]
+    finish: str
+    sent: int = 0
+    next_at: float = 0.0
+
+
+@dataclass
+class FakeScheduler:
+    config: EngineConfig
+    vocab_size: int = 49152
+    max_model_len: int = 256
+    owner_in_process: bool = False  # the shm owner is this process: attach without unregistering
+    chunk: int = 4
+    token_delay: float = 0.0
+    paused: bool = False
+    adds: list[AddRequest] = field(default_factory=list)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    aborts: list[str] = field(default_factory=list)
+    hellos: int = 0
+    ready_gate: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fake-scheduler")
+        self._shm = None
+        self._array = None
+
+    # ------------------------------------------------ test side
+
+    def start(self) -> FakeScheduler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def send_error(self, message: str) -> None:
+        self._commands.put(EngineError(message=message))
+
+    def send_ready(self) -> None:
+        self._commands.put("ready")
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return True
+            time.sleep(0.02)
+        return predicate()
+
+    # ------------------------------------------------ scheduler side
+
+    def _ready_msg(self) -> EngineReady:
+        return EngineReady(
+            num_blocks=1000,
+            block_size=16,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[EOS],
+        )
+
+    def _prompt(self, add: AddRequest) -> list[int]:
+        ref = add.prompt
+        if ref.ids is not None:
+            return list(ref.ids)
+        if self._array is None:
+            name = self.config.prompt_shm_name
+            if self.owner_in_process:
+                self._shm = shared_memory.SharedMemory(name=name)
+                self._array = np.ndarray((self._shm.size // 4,), np.int32, buffer=self._shm.buf)
+            else:
+                self._shm = TokenBuffer.attach(name)
+                self._array = self._shm.array
+        return self._array[ref.offset : ref.offset + ref.length].tolist()
+
+    def _plan(self, add: AddRequest) -> _Live:
+        prompt = self._prompt(add)
+        self.prompts[add.request_id] = prompt
+        n = add.sampling.max_tokens
+        if add.sampling.ignore_eos:
+            output = [prompt[i % len(prompt)] for i in range(n)]
+            return _Live(add, output, "length")
+        if len(prompt) < n:
+            return _Live(add, prompt + [EOS], "stop")
+        return _Live(add, prompt[:n], "length")
+
+    def _delta(self, live: _Live) -> RequestDelta:
+        ids = live.output[live.sent : live.sent + self.chunk]
+        first = live.sent == 0
+        live.sent += len(ids)
+        done = live.sent >= len(live.output)
+        delta = RequestDelta(
+            request_id=live.add.request_id,
+            token_ids=ids,
+            finish_reason=live.finish if done else None,
+            num_prompt_tokens=live.add.prompt_len if first else 0,
+        )
+        k = live.add.sampling.logprobs
+        if k is not None:
+            delta.logprobs = [-0.25] * len(ids)
+            delta.top_ids = [[t, (t + 1) % self.vocab_size][:k] for t in ids]
+            delta.top_logprobs = [[-0.25, -3.0][:k] for _ in ids]
+        return delta
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        pull = bind(ctx, zmq.PULL, self.config.scheduler_addr)
+        push = connect(ctx, zmq.PUSH, self.config.frontend_addr)
+        codec_in, codec_out = Codec(ToScheduler), Codec(ToFrontend)
+        live: dict[str, _Live] = {}
+        ready = False
+        last_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if not ready and self.hellos and self.ready_gate.is_set():
+                    push.send(codec_out.encode(self._ready_msg()))
+                    ready = True
+                while not self._commands.empty():
+                    cmd = self._commands.get()
+                    if cmd == "ready":
+                        push.send(codec_out.encode(self._ready_msg()))
+                    else:
+                        live.clear()
+                        push.send(codec_out.encode(cmd))
+                if pull.poll(5):
+                    while pull.poll(0):
+                        msg = codec_in.decode(pull.recv())
+                        if isinstance(msg, FrontendHello):
+                            self.hellos += 1
+                        elif isinstance(msg, AddRequest):
+                            self.adds.append(msg)
+                            live[msg.request_id] = self._plan(msg)
+                        elif isinstance(msg, AbortRequest):
+                            self.aborts.append(msg.request_id)
+                            if live.pop(msg.request_id, None) is not None:
+                                push.send(
+                                    codec_out.encode(
+                                        Deltas([RequestDelta(msg.request_id, [], "abort")])
+                                    )
+                                )
+                now = time.monotonic()
+                if self.paused:
+                    continue
+                deltas = []
+                for rid, item in list(live.items()):
+                    if now >= item.next_at:
+                        deltas.append(self._delta(item))
+                        item.next_at = now + self.token_delay
+                        if item.sent >= len(item.output):
+                            del live[rid]
+                if deltas:
+                    push.send(codec_out.encode(Deltas(deltas, EngineStats(num_running=len(live)))))
+                    last_beat = now
+                elif ready and now - last_beat > 0.3:
+                    push.send(codec_out.encode(Deltas([], EngineStats())))
+                    last_beat = now
+        finally:
+            pull.close(0)
+            push.close(0)
+            ctx.term()
+            cleanup_ipc(self.config.scheduler_addr)
+            if self._shm is not None:
+                self._array = None
+                self._shm.close()
+
+
+# ---------------------------------------------------------------- the live frontend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Frontend:
+    config: EngineConfig
+    proc: subprocess.Popen
+    fake: FakeScheduler
+    url: str
+    tokenizer: object
+    log_path: str
+    health_before_ready: int = 0
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 20.0), **kw)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+@pytest.fixture(scope="module")
+def frontend(default_model, tokenizer, tmp_path_factory):
+    """`python -m subway.frontend` in a subprocess, with a fake scheduler thread here."""
+    run_dir = tmp_path_factory.mktemp("run")
+    port = _free_port()
+    config = EngineConfig(
+        model=default_model,
+        served_model_name=MODEL,
+        run_dir=str(run_dir),
+        port=port,
+        shutdown_timeout=1.0,
+    )
+    log_path = str(run_dir / "frontend.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "subway.frontend", "--config-json", config.to_json()],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    fake = FakeScheduler(config, vocab_size=len(tokenizer)).start()
+    fe = Frontend(config, proc, fake, f"http://127.0.0.1:{port}", tokenizer, log_path)
+    try:
+        with fe.client(timeout=2.0) as c:
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None, open(log_path).read()
+                try:
+                    fe.health_before_ready = c.get("/health").status_code
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, "the frontend did not come up"
+                    time.sleep(0.2)
+            fake.ready_gate.set()
+            assert fake.wait_for(lambda: c.get("/health").status_code == 200, 10)
+        yield fe
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        fake.stop()
+
+
+def _sse(lines) -> list:
+    """Parse an SSE body: the JSON events, then "[DONE]" if it came."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def _is_error(body: dict) -> bool:
+    err = body.get("error")
+    return isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_health_before_and_after_ready_and_models(frontend):
+    assert frontend.health_before_ready == 503
+    assert frontend.fake.hellos == 1
+    with frontend.client() as c:
+        assert c.get("/health").status_code == 200
+        models = c.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_metrics(frontend):
+    with frontend.client() as c:
+        c.post("/v1/completions", json={"prompt": "count me"})
+        text = c.get("/metrics").text
+    assert "subway:num_requests_running" in text
+    assert 'subway:request_success_total{finished_reason="stop",model_name="smol-test"}' in text
+
+
+def test_completion_non_streaming(frontend):
+    ids = _ids(frontend.tokenizer, "Hello world")
+    with frontend.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello world"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+        assert body["model"] == MODEL and isinstance(body["created"], int)
+        [choice] = body["choices"]
+        assert choice == {
+            "index": 0,
+            "text": "Hello world",
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+        assert body["usage"] == {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(ids) + 1,
+            "total_tokens": 2 * len(ids) + 1,
+        }
+        add = frontend.fake.adds[-1]
+        assert add.request_id == body["id"] + "-0"
+        assert add.sampling.max_tokens == 16  # the completions default
+        # max_tokens cuts the output: finish_reason "length".
+        r = c.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 1})
+        [choice] = r.json()["choices"]
+        assert choice["text"] == "Hello" and choice["finish_reason"] == "length"
+
+
+def test_completion_streaming(frontend):
+    with frontend.client() as c:
+        body = {
+            "prompt": "Streaming is fun",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(e["object"] == "text_completion" for e in chunks)
+    assert len({e["id"] for e in chunks}) == 1
+    text = "".join(ch["text"] for e in chunks for ch in e["choices"])
+    assert text == "Streaming is fun"
+    finishes = [ch["finish_reason"] for e in chunks for ch in e["choices"] if ch["finish_reason"]]
+    assert finishes == ["stop"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_completion_token_ids_batches_echo_n_and_logprobs(frontend):
+    tok = frontend.tokenizer
+    a, b = _ids(tok, "one two"), _ids(tok, "three")
+    with frontend.client() as c:
+        r = c.post(
+            "/v1/completions", json={"prompt": [a, b], "n": 2, "max_tokens": 5, "echo": True}
+        )
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
+        texts = [ch["text"] for ch in body["choices"]]
+        assert texts == ["one two" * 2] * 2 + ["three" * 2] * 2
+        assert body["usage"]["prompt_tokens"] == len(a) + len(b)
+        rids = {x.request_id for x in frontend.fake.adds[-4:]}
+        assert rids == {f"{body['id']}-{i}" for i in range(4)}  # one engine request per choice
+        r = c.post("/v1/completions", json={"prompt": a, "logprobs": 2, "max_tokens": 3})
+        [choice] = r.json()["choices"]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+        assert lp["token_logprobs"] == [-0.25] * 3 and len(lp["top_logprobs"][0]) == 2
+        assert lp["text_offset"][0] == 0
+
+
+def test_stop_strings(frontend):
+    with frontend.client() as c:
+        r = c.post(
+            "/v1/completions", json={"prompt": "The quick brown fox", "stop": [" brown", "zzz"]}
+        )
+        [choice] = r.json()["choices"]
+        assert choice["text"] == "The quick" and choice["finish_reason"] == "stop"
+        rid = r.json()["id"] + "-0"  # the engine request still ran: the frontend aborts it
+        assert frontend.fake.wait_for(lambda: rid in frontend.fake.aborts)
+        body = {"prompt": "The quick brown fox", "stop": "ick b", "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            events = _sse(r.iter_lines())
+    pieces = [ch["text"] for e in events[:-1] for ch in e["choices"]]
+    assert "".join(pieces) == "The qu" and not any("ick" in p for p in pieces)
+
+
+def test_chat_with_openai_client(frontend):
+    tok = frontend.tokenizer
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    expected = tok.decode(ids, skip_special_tokens=True)
+    client = frontend.openai()
+    out = client.chat.completions.create(model=MODEL, messages=messages)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ids) + 1
+    assert frontend.fake.prompts[out.id + "-0"] == ids
+    # The chat default max_tokens is the rest of the context.
+    assert frontend.fake.adds[-1].sampling.max_tokens == 256 - len(ids)
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": parts}],
+        stream=True,
+        max_completion_tokens=8,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    prompt = tok.encode(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True, tokenize=False
+        ),
+        add_special_tokens=False,
+    )
+    assert content == tok.decode(prompt[:8], skip_special_tokens=True)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_with_openai_client(frontend):
+    client = frontend.openai()
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, n=2)
+    assert [c.text for c in out.choices] == ["Hello world"] * 2
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="Hello world", stream=True)
+    ]
+    assert "".join(pieces) == "Hello world"
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 1
+
+
+def test_wrong_model_is_404(frontend):
+    with frontend.client() as c:
+        r = c.post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"})
+        assert r.status_code == 404 and _is_error(r.json())
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 404 and _is_error(r.json())
+    with pytest.raises(openai.NotFoundError):
+        frontend.openai().completions.create(model="gpt-17", prompt="hi")
+
+
+LONG = list(range(100, 400))  # 300 ids: beyond the fake's 256-token context
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi"'),
+    ("/v1/completions", b"not json at all"),
+    ("/v1/completions", b"[1, 2, 3]"),
+    ("/v1/completions", {}),
+    ("/v1/completions", {"prompt": 5}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": Infinity}'),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}'),
+    ("/v1/completions", {"prompt": [10**9]}),
+    ("/v1/completions", {"prompt": [-1, 5]}),
+    ("/v1/completions", {"prompt": LONG}),
+    ("/v1/completions", {"prompt": "hi", "n": 0}),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}),
+    ("/v1/completions", {"prompt": "hi", "slo_class": "urgent"}),
+    ("/v1/completions", {"prompt": "hi", "stream": "maybe"}),
+    ("/v1/chat/completions", {}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50, "logprobs": True}),
+]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(frontend):
+    with frontend.client() as c:
+        for path, body in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                r = c.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = c.post(path, json=body)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            assert _is_error(r.json()), r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = c.post("/v1/completions", json={"prompt": "still alive"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "still alive"
+    assert frontend.proc.poll() is None
+
+
+def _slow(fake: FakeScheduler):
+    fake.chunk, fake.token_delay = 1, 0.05
+
+
+def _fast(fake: FakeScheduler):
+    fake.chunk, fake.token_delay = 4, 0.0
+
+
+def test_streaming_client_disconnect_aborts(frontend):
+    fake = frontend.fake
+    _slow(fake)
+    try:
+        body = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with frontend.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            rid = json.loads(first[len("data: ") :])["id"] + "-0"
+        assert fake.wait_for(lambda: rid in fake.aborts), "no AbortRequest after the disconnect"
+    finally:
+        _fast(fake)
+
+
+def test_non_streaming_client_disconnect_aborts(frontend):
+    fake = frontend.fake
+    _slow(fake)
+    try:
+        n_adds = len(fake.adds)
+        body = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True}
+        with frontend.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body)
+        assert fake.wait_for(lambda: len(fake.adds) > n_adds)
+        rid = fake.adds[n_adds].request_id
+        assert fake.wait_for(lambda: rid in fake.aborts), "no AbortRequest after the disconnect"
+    finally:
+        _fast(fake)
+
+
+def test_engine_failure_mid_request_then_recovery(frontend):
+    fake = frontend.fake
+    _slow(fake)
+    slow = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True}
+    try:
+        with frontend.client() as c, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                lambda: c.post("/v1/chat/completions", json={"messages": CHAT, **slow})
+            )
+            with c.stream("POST", "/v1/completions", json={**slow, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                fake.send_error("worker 0 died")
+                events = _sse(lines)
+            assert events[-1] == "[DONE]" and _is_error(events[-2])
+            r = pending.result(timeout=10)
+            assert r.status_code == 503 and _is_error(r.json())
+            assert c.get("/health").status_code == 503
+            assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+            fake.send_ready()
+            assert fake.wait_for(lambda: c.get("/health").status_code == 200)
+            _fast(fake)
+            assert (
+                c.post("/v1/completions", json={"prompt": "hi"}).json()["choices"][0]["text"]
+                == "hi"
+            )
+    finally:
+        _fast(fake)
+
+
+def test_health_fails_when_the_scheduler_goes_silent(frontend):
+    fake = frontend.fake
+    with frontend.client() as c:
+        fake.paused = True
+        try:
+            assert fake.wait_for(lambda: c.get("/health").status_code == 503, timeout=6)
+        finally:
+            fake.paused = False
+        assert fake.wait_for(lambda: c.get("/health").status_code == 200)
+
+
+def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
+    """Runs last: it stops the frontend."""
+    refs = [a.prompt for a in frontend.fake.adds]
+    assert refs and all(r.ids is None and r.offset >= 0 for r in refs)
+    prefix = f"subway_{frontend.config.run_id}"
+    assert any(name.startswith(prefix) for name in os.listdir("/dev/shm"))
+    # SIGTERM with a stream in flight: the drain times out, the stream is cut and aborted.
+    fake = frontend.fake
+    _slow(fake)
+    n_adds = len(fake.adds)
+    body = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    def consume() -> None:
+        with contextlib.suppress(httpx.HTTPError), frontend.client() as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for _ in r.iter_lines():
+                    pass
+
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(consume)
+        assert fake.wait_for(lambda: len(fake.adds) > n_adds)
+        frontend.proc.send_signal(signal.SIGTERM)
+        assert frontend.proc.wait(20) == 0, open(frontend.log_path).read()
+        streaming.result(timeout=10)
+    _fast(fake)
+    assert fake.wait_for(lambda: fake.adds[n_adds].request_id in fake.aborts)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not os.path.exists(frontend.config.frontend_addr[len("ipc://") :])
+
+
+# ---------------------------------------------------------------- the engine client alone
+
+
+def test_engine_client_inline_fallback_abort_and_close(tmp_path):
+    config = EngineConfig(run_dir=str(tmp_path), prompt_shm_tokens=16)
+    fake = FakeScheduler(config, owner_in_process=True)
+    fake.ready_gate.set()
+    fake.start()
+
+    async def main() -> None:
+        client = EngineClient(config, abort_release_s=0.1)
+        await client.start()
+        try:
+            for _ in range(200):
+                if client.ready:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.ready and client.healthy and client.info.max_model_len == 256
+            sp = SamplingParams(max_tokens=30)
+            big = list(range(10, 30))  # 20 ids: more than the buffer holds
+            got = [d async for d in client.generate("big", big, sp)]
+            assert sum((d.token_ids for d in got), []) == big + [EOS]
+            small = [5, 6, 7, 8]
+            got = [d async for d in client.generate("small", small, sp)]
+            assert got[-1].finish_reason == "stop"
+            # Leaving early aborts.
+            fake.chunk, fake.token_delay = 1, 0.05
+            stream = client.generate(
+                "early", small, SamplingParams(max_tokens=100, ignore_eos=True)
+            )
+            async with contextlib.aclosing(stream) as deltas:
+                async for _ in deltas:
+                    break
+            assert client.num_in_flight == 0
+            # An engine error fails what is in flight.
+            stream = client.generate(
+                "doomed", small, SamplingParams(max_tokens=100, ignore_eos=True)
+            )
+            await anext(stream)
+            fake.send_error("boom")
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            assert not client.ready
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+        assert fake.adds[0].prompt.ids == list(range(10, 30))
+        assert fake.adds[1].prompt.ids is None and fake.adds[1].prompt.length == 4
+        assert fake.wait_for(lambda: "early" in fake.aborts)
+        assert not os.path.exists(f"/dev/shm/{config.prompt_shm_name}")
+    finally:
+        fake.stop()
