@@ -1,0 +1,190 @@
+"""Paged attention over a flat mixed batch, and KV cache writes: the PyTorch references.
+
+Layout. All scheduled tokens of a step are packed into one `[num_tokens, heads,
+head_dim]` tensor. Sequence `i` owns tokens `query_start_loc[i] :
+query_start_loc[i + 1]`, which are its positions `context_lens[i] - query_len ..
+context_lens[i] - 1`; the KV cache already holds (or, after `write_kv`, holds)
+all `context_lens[i]` positions, in the blocks named by row `i` of
+`block_tables`. A KV cache is `[num_blocks, block_size, num_kv_heads,
+head_dim]`; slot `s` is block `s // block_size`, offset `s % block_size`.
+
+Decodes (one query token) are batched into one gather and two matmuls, padded
+to the longest decode context and masked. Prefill chunks are computed one
+sequence at a time, causally over their cached prefix and themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence of a flat batch lives; built once per step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of every new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    # Dispatch for the reference kernel (host-side, so no device syncs):
+    decode_seqs: torch.Tensor  # [num_decodes] int64: indices of one-token sequences
+    decode_tokens: torch.Tensor  # [num_decodes] int64: their token index in the batch
+    decode_max_blocks: int  # blocks that cover the longest decode context
+    decode_pad: torch.Tensor  # [num_decodes, decode_max_blocks * block_size] bool: past the context
+    prefills: list[tuple[int, int, int, int]]  # (seq index, query start, query len, context len)
+    prefill_masks: list[torch.Tensor | None]  # per prefill: [qlen, ctx] bool, None when no prefix
+    all_decode: bool  # every sequence is a decode and tokens are in sequence order
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+def build_metadata(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata from host arrays: per sequence its query length, context length, block table row.
+
+    `slot_mapping` comes from `positions_and_slots`, which the caller also
+    needs for the positions.
+    """
+    num_seqs = len(query_lens)
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    is_decode = query_lens == 1
+    dec = np.flatnonzero(is_decode)
+    all_decode = len(dec) == num_seqs
+    prefills = [
+        (int(i), int(qsl[i]), int(query_lens[i]), int(context_lens[i]))
+        for i in np.flatnonzero(~is_decode)
+    ]
+    max_blocks = -(-int(context_lens[dec].max()) // block_size) if len(dec) else 0
+    decode_pad = np.arange(max_blocks * block_size)[None, :] >= context_lens[dec][:, None]
+    prefill_masks = [_chunk_mask(qlen, ctx, device) for _, _, qlen, ctx in prefills]
+
+    def to(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+
+    return AttentionMetadata(
+        slot_mapping=to(slot_mapping, torch.int64),
+        query_start_loc=to(qsl, torch.int32),
+        context_lens=to(context_lens, torch.int32),
+        block_tables=to(block_tables, torch.int32),
+        decode_seqs=to(dec, torch.int64),
+        decode_tokens=to(qsl[dec], torch.int64),
+        decode_max_blocks=max_blocks,
+        decode_pad=to(decode_pad, torch.bool),
+        prefills=prefills,
+        prefill_masks=prefill_masks,
+        all_decode=all_decode,
+    )
+
+
+def _chunk_mask(qlen: int, ctx: int, device: torch.device | str) -> torch.Tensor | None:
+    """`[qlen, ctx]` causal mask of a chunk that ends a context; None without a cached prefix."""
+    if qlen == ctx:
+        return None
+    mask = np.arange(ctx)[None, :] <= np.arange(ctx - qlen, ctx)[:, None]
+    return torch.from_numpy(mask).to(device)
+
+
+def positions_and_slots(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Position and cache slot of every token of the flat batch, vectorised (no Python loop)."""
+    query_start = np.cumsum(query_lens) - query_lens
+    num_tokens = int(query_lens.sum())
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    first_pos = (context_lens - query_lens).astype(np.int64)
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+        first_pos - query_start, query_lens
+    )
+    blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    return positions, blocks * block_size + positions % block_size
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots of the caches."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out."""
+    if md.all_decode:
+        return _decode_attention(q, k_cache, v_cache, md, scale)
+    out = torch.empty_like(q)
+    if md.decode_seqs.numel():
+        dec = _decode_attention(q.index_select(0, md.decode_tokens), k_cache, v_cache, md, scale)
+        out.index_copy_(0, md.decode_tokens, dec)
+    bs = k_cache.shape[1]
+    for (seq, start, qlen, ctx), mask in zip(md.prefills, md.prefill_masks, strict=True):
+        blocks = md.block_tables[seq, : -(-ctx // bs)]
+        k = k_cache[blocks].flatten(0, 1)[:ctx]
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        out[start : start + qlen] = _prefill_attention(q[start : start + qlen], k, v, mask, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: one gather, two batched matmuls, padded keys masked."""
+    n, num_heads, head_dim = q.shape
+    _, bs, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tables = md.block_tables[:, : md.decode_max_blocks]
+    if not md.all_decode:
+        tables = tables.index_select(0, md.decode_seqs)
+    length = tables.shape[1] * bs
+    # [n, L, kvh, d] -> [n, kvh, L, d]
+    k = k_cache[tables].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [n, kvh, g, L]
+    scores.masked_fill_(md.decode_pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(n, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk `q [n, H, d]` that ends a context `k, v [ctx, kvh, d]`.
+
+    `mask [n, ctx]` (True: attend) is None when the chunk is the whole context: plain causal.
+    """
+    q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(
+        q_, k_, v_, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    ).transpose(0, 1)

@@ -1,0 +1,148 @@
+"""The worker process against a fake scheduler: ready, plans, results through shm, exits."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+import pytest
+import zmq
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import (
+    Codec,
+    FromWorker,
+    NewSeq,
+    Plan,
+    SamplingParams,
+    SeqStep,
+    Shutdown,
+    StepResult,
+    TokenRef,
+    ToWorker,
+    WorkerError,
+    WorkerReady,
+)
+from subway.ipc.shm import TokenBuffer
+from subway.ipc.sockets import bind
+
+GREEDY = SamplingParams(temperature=0.0)
+TIMEOUT_MS = 120_000
+
+
+def _worker_main(config_json: str, rank: int) -> None:
+    from subway.worker.process import run_worker
+
+    sys.exit(run_worker(EngineConfig.from_json(config_json), rank))
+
+
+class FakeScheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.ctx = zmq.Context()
+        self.xpub = bind(self.ctx, zmq.XPUB, config.plan_addr)
+        self.pull = bind(self.ctx, zmq.PULL, config.result_addr)
+        self.codec_out, self.codec_in = Codec(ToWorker), Codec(FromWorker)
+
+    def recv(self):
+        assert self.pull.poll(TIMEOUT_MS), "no message from the worker"
+        return self.codec_in.decode(self.pull.recv())
+
+    def send(self, msg) -> None:
+        self.xpub.send(self.codec_out.encode(msg))
+
+    def wait_subscribed(self) -> None:
+        assert self.xpub.poll(TIMEOUT_MS), "the worker never subscribed"
+        assert self.xpub.recv()[:1] == b"\x01"
+
+    def close(self) -> None:
+        self.xpub.close()
+        self.pull.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def worker(tiny_models, tmp_path):
+    config = EngineConfig(
+        model=tiny_models["llama"], num_kv_blocks=64, block_size=4, threads=1, max_num_seqs=4,
+        run_dir=str(tmp_path),
+    )  # fmt: skip
+    sched = FakeScheduler(config)
+    prompts = TokenBuffer.create(config.prompt_shm_name, 1024)
+    proc = mp.get_context("spawn").Process(target=_worker_main, args=(config.to_json(), 0))
+    proc.start()
+    try:
+        sched.wait_subscribed()
+        ready = sched.recv()
+        assert isinstance(ready, WorkerReady), ready
+        yield config, sched, prompts, proc, ready
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(30)
+        prompts.close()
+        sched.close()
+
+
+def _shm_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def test_plans_results_and_shutdown(worker):
+    from subway.worker.runner import ModelRunner
+
+    config, sched, prompts, proc, ready = worker
+    assert (
+        ready.rank == 0 and ready.num_blocks == 64 and ready.sampled_shm == config.sampled_shm_name
+    )
+    assert ready.vocab_size > 0 and ready.max_model_len == 2048
+    sampled = TokenBuffer.attach(ready.sampled_shm)
+    prompt = [5, 17, 300, 42, 9, 1000]
+    prompts.write(100, prompt)
+    plans = [
+        Plan(0, [SeqStep(0, 0, 6, [3, 7])], [NewSeq(0, TokenRef(100, 6), GREEDY)]),
+        Plan(1, [SeqStep(0, 6, 1)], [NewSeq(1, TokenRef(ids=[8, 9, 10]), GREEDY)]),
+        Plan(2, [SeqStep(0, 7, 1), SeqStep(1, 0, 3, [1])]),
+        Plan(3, [SeqStep(0, 8, 1, [2]), SeqStep(1, 3, 1, [4])]),
+    ]
+    got = []
+    for plan in plans:
+        sched.send(plan)
+        res = sched.recv()
+        assert isinstance(res, StepResult) and res.step == plan.step
+        assert res.tokens.ids is None and res.forward_time > 0
+        assert res.tokens.offset == (plan.step % 8) * config.max_num_seqs
+        got.append((res.seq_ids, sampled.read(res.tokens.offset, res.tokens.length).tolist()))
+    sampled.close()
+    # The same plans in this process give the same tokens.
+    local = ModelRunner(config.replace(use_shm=False))
+    local._prompts = prompts
+    expected = []
+    for plan in plans:
+        out = local.execute(plan)
+        expected.append((out.seq_ids, out.tokens))
+    local._prompts = None
+    assert got == expected
+    sched.send(Shutdown())
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert not _shm_exists(config.sampled_shm_name)
+
+
+def test_failed_step_reports_and_exits_1(worker):
+    config, sched, _, proc, _ = worker
+    sched.send(Plan(0, [SeqStep(99, 0, 1, [0])]))  # a sequence the worker never saw
+    err = sched.recv()
+    assert isinstance(err, WorkerError) and "99" in err.message
+    proc.join(60)
+    assert proc.exitcode == 1
+    assert not _shm_exists(config.sampled_shm_name)
+
+
+def test_sigterm_exits_cleanly(worker):
+    config, _, _, proc, _ = worker
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert not _shm_exists(config.sampled_shm_name)

@@ -1,0 +1,146 @@
+"""Tensor-parallel linear layers that load (and shard) full Hugging Face weights.
+
+Column-parallel layers split their output rows across ranks; row-parallel ones
+split their input columns and all-reduce their output. Each layer's `load`
+takes a full checkpoint tensor and copies this rank's part into place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from subway.kernels.ops import rms_norm
+from subway.worker.parallel import TensorParallel
+
+
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.copy_(tensor)
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k and v projections in one matmul; this rank's query heads and KV heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        self.kv_start, self.num_kv_heads = tp.kv_heads(num_kv_heads)
+        self.q_start = tp.rank * self.num_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = empty_param((out, hidden_size), dtype, device)
+        self.bias = empty_param((out,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.weight, self.bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+
+    def load(self, which: str, name: str, tensor: torch.Tensor) -> None:
+        """`which` is q, k or v; `name` is weight or bias."""
+        d = self.head_dim
+        if which == "q":
+            part = tensor[self.q_start * d : (self.q_start + self.num_heads) * d]
+            dst = slice(0, self.q_size)
+        else:
+            part = tensor[self.kv_start * d : (self.kv_start + self.num_kv_heads) * d]
+            first = self.q_size if which == "k" else self.q_size + self.kv_size
+            dst = slice(first, first + self.kv_size)
+        param = getattr(self, name)
+        if param is None:
+            raise ValueError(f"{which}_proj.{name}: the model has no such parameter")
+        _copy(param[dst], part, f"{which}_proj.{name}")
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: list[int],
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local = [tp.shard(n, "intermediate_size") for n in out_features]
+        self.weight = empty_param((sum(self.local), in_features), dtype, device)
+        self.bias = empty_param((sum(self.local),), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        n = self.local[index]
+        first = sum(self.local[:index])
+        part = tensor[self.tp.rank * n : (self.tp.rank + 1) * n]
+        _copy(getattr(self, name)[first : first + n], part, f"merged[{index}].{name}")
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns split across ranks; partial outputs summed by an all-reduce, then the bias."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        n = tp.shard(in_features, "row-parallel input")
+        self.in_shard = (tp.rank * n, n)  # (first column, columns) of the input on this rank
+        self.weight = empty_param((out_features, self.in_shard[1]), dtype, device)
+        self.bias = empty_param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            _copy(self.bias, tensor, "row-parallel bias")
+        else:
+            first, n = self.in_shard
+            _copy(self.weight, tensor[:, first : first + n], "row-parallel weight")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_param((size,), dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -1,0 +1,234 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) over a flat mixed batch.
+
+One forward takes every scheduled token of a step at once; attention reads and
+writes the paged KV cache. Hidden states are normed and projected to logits
+only at the positions that sample.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from subway.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from subway.kernels.ops import apply_rope, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from subway.worker.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    empty_param,
+)
+from subway.worker.model_config import ModelConfig
+from subway.worker.parallel import TensorParallel
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.head_dim = mc.head_dim
+        self.scale = mc.head_dim**-0.5
+        self.qkv = QKVParallelLinear(
+            mc.hidden_size,
+            mc.head_dim,
+            mc.num_heads,
+            mc.num_kv_heads,
+            mc.qkv_bias,
+            tp,
+            dtype,
+            device,
+        )
+        self.o_proj = RowParallelLinear(
+            mc.num_heads * mc.head_dim, mc.hidden_size, mc.o_bias, tp, dtype, device
+        )
+        self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None
+        self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x)
+        q = q.view(n, -1, self.head_dim)
+        k = k.view(n, -1, self.head_dim)
+        v = v.view(n, -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rope(q, k, positions, rope_cache)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, md, self.scale)
+        return self.o_proj(out.view(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(
+        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        i = mc.intermediate_size
+        self.gate_up = MergedColumnParallelLinear(
+            mc.hidden_size, [i, i], mc.mlp_bias, tp, dtype, device
+        )
+        self.down_proj = RowParallelLinear(i, mc.hidden_size, mc.mlp_bias, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(mc, tp, dtype, device)
+        self.mlp = MLP(mc, tp, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rope_cache, md, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """Embeddings and lm_head are replicated on every rank; only rank 0 computes logits."""
+
+    def __init__(
+        self,
+        mc: ModelConfig,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        super().__init__()
+        self.mc = mc
+        self.embed_tokens = empty_param((mc.vocab_size, mc.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(mc, tp, dtype, device) for _ in range(mc.num_layers)
+        )
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if mc.tie_word_embeddings
+            else empty_param((mc.vocab_size, mc.hidden_size), dtype, device)
+        )
+        inv_freq = rope_inv_freq(mc.head_dim, mc.rope_theta, mc.rope_scaling)
+        self.register_buffer(
+            "rope_cache",
+            rope_cos_sin_cache(inv_freq, max_positions, dtype, device),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        kv_caches: list[KVCache],
+        sample_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final hidden states `[len(sample_idx), hidden]` at the sampling positions."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
+        h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    # ------------------------------------------------------------------ weights
+
+    def expected_weights(self) -> set[str]:
+        """Checkpoint names that must all be present."""
+        mc = self.mc
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not mc.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(mc.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            for proj in ("q", "k", "v", "o"):
+                names.add(f"{p}self_attn.{proj}_proj.weight")
+            for proj in ("gate", "up", "down"):
+                names.add(f"{p}mlp.{proj}_proj.weight")
+            if mc.qkv_bias:
+                names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+            if mc.o_bias:
+                names.add(f"{p}self_attn.o_proj.bias")
+            if mc.mlp_bias:
+                names |= {f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")}
+            if mc.qk_norm:
+                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        return names
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy this rank's part of checkpoint tensor `name`; False if the name is not a weight."""
+        tensor = tensor.to(self.embed_tokens.dtype)
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.copy_(tensor)
+            return True
+        if name == "lm_head.weight":
+            if not self.mc.tie_word_embeddings:
+                self.lm_head.copy_(tensor)
+            return True
+        if name == "model.norm.weight":
+            self.norm.weight.copy_(tensor)
+            return True
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            return False
+        layer = self.layers[int(m["i"])]
+        module, part, kind = m["module"], m["part"], m["kind"]
+        if module in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, module).weight.copy_(tensor)
+        elif part in ("q_norm", "k_norm"):
+            getattr(layer.self_attn, part).weight.copy_(tensor)
+        elif part in ("q_proj", "k_proj", "v_proj"):
+            layer.self_attn.qkv.load(part[0], kind, tensor)
+        elif part == "o_proj":
+            layer.self_attn.o_proj.load(kind, tensor)
+        elif part in ("gate_proj", "up_proj"):
+            layer.mlp.gate_up.load(0 if part == "gate_proj" else 1, kind, tensor)
+        elif part == "down_proj":
+            layer.mlp.down_proj.load(kind, tensor)
+        else:
+            return False
+        return True
+
+
+_LAYER = re.compile(
+    r"model\.layers\.(?P<i>\d+)\.(?P<module>[a-z_]+)(?:\.(?P<part>[a-z_]+))?\.(?P<kind>weight|bias)"
+)

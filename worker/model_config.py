@@ -1,0 +1,154 @@
+"""What the worker needs from a Hugging Face folder's config.json (and generation_config.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# Hugging Face architecture (or model_type) -> the native model family that runs it.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    family: str  # "llama", "qwen2" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # rope_parameters other than the default kind
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before rope
+    dtype: torch.dtype  # the checkpoint's dtype
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """Parse `path/config.json`; raise ValueError for an architecture Subway does not run."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return parse_model_config(cfg, _generation_eos(path))
+
+
+def parse_model_config(cfg: dict, generation_eos: list[int] | None = None) -> ModelConfig:
+    family = _family(cfg)
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: only silu")
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    theta, scaling = _rope(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    window = None
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "llama"):
+        window = int(cfg["sliding_window"])
+    eos = _as_list(cfg.get("eos_token_id"))
+    for t in generation_eos or []:
+        if t not in eos:
+            eos.append(t)
+    return ModelConfig(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=False if family == "qwen2" else attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        dtype=_DTYPES.get(
+            str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32
+        ),
+        sliding_window=window,
+        eos_token_ids=eos,
+    )
+
+
+def resolve_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on the CPU, the checkpoint's dtype on CUDA; explicit names are honoured."""
+    if name == "auto":
+        return model_dtype if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _family(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if archs:
+        raise ValueError(
+            f"unsupported architecture {archs}: Subway runs {', '.join(sorted(ARCHITECTURES))}"
+        )
+    model_type = cfg.get("model_type")
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise ValueError(
+        f"unsupported model_type {model_type!r}: Subway runs {', '.join(sorted(MODEL_TYPES))}"
+    )
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope theta and scaling from transformers-5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling {kind!r}: default, linear, llama3")
+    if kind == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
+        )
+    return theta, params
+
+
+def _generation_eos(path: str) -> list[int]:
+    gen = os.path.join(path, "generation_config.json")
+    if not os.path.exists(gen):
+        return []
+    with open(gen) as f:
+        return _as_list(json.load(f).get("eos_token_id"))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

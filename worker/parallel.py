@@ -1,0 +1,55 @@
+"""Tensor-parallel rank and collectives, passed down to the layers that need them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(x, src)
+        return x
+
+    def shard(self, size: int, what: str) -> int:
+        """This rank's part of a dimension of `size`, which must divide evenly."""
+        if size % self.world_size:
+            raise ValueError(
+                f"{what} ({size}) is not divisible by tensor_parallel_size {self.world_size}"
+            )
+        return size // self.world_size
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, KV heads) this rank holds: a shard, or one replicated head."""
+        if num_kv_heads >= self.world_size:
+            local = self.shard(num_kv_heads, "num_key_value_heads")
+            return self.rank * local, local
+        if self.world_size % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size {self.world_size} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
+        return self.rank * num_kv_heads // self.world_size, 1
+
+
+def init_distributed(world_size: int, rank: int, init_addr: str, device: torch.device) -> None:
+    """Join the process group: gloo on the CPU, nccl on CUDA, rendezvous at tcp://init_addr."""
+    if world_size <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{init_addr}", world_size=world_size, rank=rank
+    )

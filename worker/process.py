@@ -1,0 +1,155 @@
+"""The worker process: receive plans, run them, and (rank 0) send back the sampled tokens.
+
+The launcher starts one fresh process per tensor-parallel rank and calls
+`run_worker(EngineConfig.from_json(text), rank)` in it; the return value is
+the process exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+
+import torch
+import zmq
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import (
+    Codec,
+    FromWorker,
+    Plan,
+    Shutdown,
+    StepResult,
+    TokenRef,
+    ToWorker,
+    WorkerError,
+    WorkerReady,
+)
+from subway.ipc.shm import TokenBuffer
+from subway.ipc.sockets import connect
+from subway.worker.parallel import init_distributed
+from subway.worker.runner import ModelRunner, StepOutput, resolve_device
+
+SAMPLED_SLOTS = 8  # rank 0 writes step N's ids to slot N % 8 of its sampled-token buffer
+_POLL_MS = 100
+
+
+class _Stop:
+    """Set by SIGTERM / SIGINT; the loop checks it between plans."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: the caller handles signals
+                pass
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+def run_worker(config: EngineConfig, rank: int) -> int:
+    """Serve plans until Shutdown or SIGTERM (0), or until a step fails (1, after a WorkerError)."""
+    stop = _Stop()
+    stop.install()
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    codec_in, codec_out = Codec(ToWorker), Codec(FromWorker)
+    ctx = zmq.Context()
+    sub = connect(ctx, zmq.SUB, config.plan_addr)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    push = connect(ctx, zmq.PUSH, config.result_addr)
+    runner: ModelRunner | None = None
+    sampled: TokenBuffer | None = None
+    try:
+        world = config.tensor_parallel_size
+        if world > 1:
+            init_distributed(
+                world, rank, config.dist_init_addr, resolve_device(config.device, rank)
+            )
+        runner = ModelRunner(config, rank, world)
+        if rank == 0 and config.use_shm:
+            sampled = TokenBuffer.create(
+                config.sampled_shm_name, config.max_num_seqs * SAMPLED_SLOTS
+            )
+        push.send(
+            codec_out.encode(
+                WorkerReady(
+                    rank=rank,
+                    pid=os.getpid(),
+                    num_blocks=runner.num_blocks,
+                    max_model_len=runner.max_model_len,
+                    vocab_size=runner.vocab_size,
+                    eos_token_ids=runner.eos_token_ids,
+                    sampled_shm=sampled.name if sampled is not None else None,
+                )
+            )
+        )
+        last_sent = time.perf_counter()
+        while not stop.requested:
+            if not sub.poll(_POLL_MS):
+                continue
+            msg = codec_in.decode(sub.recv())
+            if isinstance(msg, Shutdown):
+                return 0
+            assert isinstance(msg, Plan)
+            received = time.perf_counter()
+            out = runner.execute(msg)
+            done = time.perf_counter()
+            if rank == 0:
+                result = _result(msg.step, out, sampled, config.max_num_seqs)
+                result.forward_time = done - received
+                result.idle_time = received - last_sent
+                push.send(codec_out.encode(result))
+                last_sent = time.perf_counter()
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the scheduler, then exit 1
+        message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        try:
+            push.send(codec_out.encode(WorkerError(rank=rank, message=message)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        return 1
+    finally:
+        if sampled is not None:
+            sampled.close()
+        if runner is not None:
+            runner.close()
+        # A short linger so that a final WorkerError still leaves the process.
+        push.close(linger=1000)
+        sub.close()
+        ctx.term()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        stop.restore()
+
+
+def _result(
+    step: int, out: StepOutput, sampled: TokenBuffer | None, max_num_seqs: int
+) -> StepResult:
+    """The StepResult of a plan; ids in the shared buffer when they fit their slot, else inline."""
+    n = len(out.tokens)
+    if sampled is not None and n <= max_num_seqs:
+        offset = (step % SAMPLED_SLOTS) * max_num_seqs
+        sampled.write(offset, out.tokens)
+        ref = TokenRef(offset=offset, length=n)
+    else:
+        ref = TokenRef(ids=out.tokens)
+    return StepResult(
+        step=step,
+        seq_ids=out.seq_ids,
+        tokens=ref,
+        logprobs=out.logprobs,
+        top_ids=out.top_ids,
+        top_logprobs=out.top_logprobs,
+    )

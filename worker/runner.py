@@ -1,0 +1,215 @@
+"""The model runner: a worker's model shard, its KV cache, its copy of every sequence, one step at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import Plan, SamplingParams, TokenRef
+from subway.ipc.shm import TokenBuffer, resolve
+from subway.kernels.attention import build_metadata, positions_and_slots
+from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
+from subway.worker.loader import load_weights
+from subway.worker.model import CausalLM
+from subway.worker.model_config import load_model_config, resolve_dtype
+from subway.worker.parallel import TensorParallel
+from subway.worker.sampler import Sampler, SampleRequest
+
+
+@dataclass
+class SeqState:
+    tokens: list[int]  # prompt, then every token sampled for it
+    prompt_len: int
+    sampling: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """One entry per SeqStep that sampled, in plan order."""
+
+    seq_ids: list[int]
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.rank = rank
+        self.tp = TensorParallel(rank, world_size)
+        self.path = config.model or _default_model()
+        mc = load_model_config(self.path)
+        self.model_config = mc
+        self.device = resolve_device(config.device, rank)
+        self.dtype = resolve_dtype(config.dtype, mc.dtype, self.device)
+        self.block_size = config.block_size
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside it
+        self.max_model_len = config.max_model_len or limit
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len)
+        load_weights(self.model, self.path)
+        self.model.eval()
+        attn = self.model.layers[0].self_attn.qkv
+        self._kv_shape = (mc.num_layers, attn.num_kv_heads, mc.head_dim)
+        self.num_blocks = self._count_blocks()
+        self.kv_caches = allocate_kv_cache(
+            mc.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.sampler = Sampler(self.device, config.seed)
+        self.seqs: dict[int, SeqState] = {}
+        self._prompts: TokenBuffer | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _count_blocks(self) -> int:
+        if self.config.num_kv_blocks > 0:
+            return self.config.num_kv_blocks
+        layers, heads, head_dim = self._kv_shape
+        per_block = block_bytes(layers, self.block_size, heads, head_dim, self.dtype)
+        if self.device.type == "cuda":
+            budget = cuda_kv_budget(
+                self.config.gpu_memory_utilization, self.device, self._profile_peak()
+            )
+        else:
+            budget = self.config.kv_cache_memory
+        blocks = budget // per_block
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes)")
+        return int(blocks)
+
+    @torch.inference_mode()
+    def _profile_peak(self) -> int:
+        """Peak CUDA bytes of one step of the largest batch, run on a scratch KV cache."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        layers, heads, head_dim = self._kv_shape
+        torch.cuda.reset_peak_memory_stats(self.device)
+        caches = allocate_kv_cache(
+            layers, blocks, self.block_size, heads, head_dim, self.dtype, self.device
+        )
+        qlens, ctx = np.array([n]), np.array([n])
+        table = np.arange(blocks, dtype=np.int32)[None, :]
+        positions, slots = positions_and_slots(qlens, ctx, table, self.block_size)
+        md = build_metadata(qlens, ctx, table, slots, self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        sample = torch.arange(max(0, n - self.config.max_num_seqs), n, device=self.device)
+        hidden = self.model(ids, pos, md, caches, sample)
+        self.model.compute_logits(hidden).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _prompt_buffer(self, ref: TokenRef) -> TokenBuffer | None:
+        if ref.ids is None and self._prompts is None:
+            self._prompts = TokenBuffer.attach(self.config.prompt_shm_name)
+        return self._prompts
+
+    def close(self) -> None:
+        if self._prompts is not None:
+            self._prompts.close()
+            self._prompts = None
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, plan: Plan) -> StepOutput:
+        seqs = self.seqs
+        for sid in plan.finished:
+            seqs.pop(sid, None)
+        for sid in plan.preempted:
+            if sid in seqs:
+                seqs[sid].block_table.clear()
+        for ns in plan.new_seqs:
+            ids = resolve(ns.prompt, self._prompt_buffer(ns.prompt))
+            seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling)
+        if not plan.seqs:
+            return StepOutput([], [])
+
+        n = len(plan.seqs)
+        qlens = np.empty(n, dtype=np.int64)
+        ctx = np.empty(n, dtype=np.int64)
+        input_ids: list[int] = []
+        states: list[SeqState] = []
+        for i, step in enumerate(plan.seqs):
+            st = seqs[step.seq_id]
+            if step.new_blocks:
+                st.block_table.extend(step.new_blocks)
+            end = step.start_pos + step.num_tokens
+            if end > len(st.tokens) or end > len(st.block_table) * self.block_size:
+                raise RuntimeError(
+                    f"step {plan.step}: seq {step.seq_id} asks for positions up to {end} but the "
+                    f"worker has {len(st.tokens)} tokens and {len(st.block_table)} blocks"
+                )
+            input_ids += st.tokens[step.start_pos : end]
+            if step.sample:
+                del st.tokens[end:]  # a later token the scheduler discarded; the sample replaces it
+            qlens[i] = step.num_tokens
+            ctx[i] = end
+            states.append(st)
+        tables = np.zeros((n, max(len(st.block_table) for st in states)), dtype=np.int32)
+        for i, st in enumerate(states):
+            tables[i, : len(st.block_table)] = st.block_table
+        positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
+        md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
+        sampling = [i for i, step in enumerate(plan.seqs) if step.sample]
+        sample_idx = np.cumsum(qlens)[sampling] - 1
+
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.from_numpy(positions).to(dev),
+            md,
+            self.kv_caches,
+            torch.from_numpy(sample_idx).to(dev),
+        )
+        if not sampling:
+            return StepOutput([], [])
+
+        out = None
+        if self.rank == 0:
+            rows = []
+            for i in sampling:
+                st = states[i]
+                generated = int(ctx[i]) - st.prompt_len
+                rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
+            out = self.sampler(self.model.compute_logits(hidden), rows)
+            token_tensor = out.tokens
+        else:
+            token_tensor = torch.empty(len(sampling), dtype=torch.int64, device=dev)
+        tokens = self.tp.broadcast(token_tensor.to(torch.int64)).tolist()
+
+        for i, tok in zip(sampling, tokens, strict=True):
+            states[i].tokens.append(tok)
+        result = StepOutput([plan.seqs[i].seq_id for i in sampling], tokens)
+        if out is not None:
+            result.logprobs, result.top_ids, result.top_logprobs = (
+                out.logprobs, out.top_ids, out.top_logprobs,
+            )  # fmt: skip
+        return result
+
+
+def _default_model() -> str:
+    from subway.worker.default_model import ensure_default_model
+
+    return ensure_default_model(quiet=True)
