@@ -265,7 +265,10 @@ def server_agreement(
     n = d["subway:time_to_first_token_seconds_count"]
     return {
         "deltas": d,
-        "generation_tokens": {"server": d["subway:generation_tokens_total"], "client": m["output_tokens"]},
+        "generation_tokens": {
+            "server": d["subway:generation_tokens_total"],
+            "client": m["output_tokens"],
+        },
         "ttft_mean_ms": {
             "server": d["subway:time_to_first_token_seconds_sum"] / n * 1e3 if n else math.nan,
             "client": m["ttft_ms"]["mean"],
@@ -328,7 +331,8 @@ def format_table(result: dict[str, Any]) -> str:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = m[key]
         lines.append(
-            f"{key[:-3].upper():<12}" + "".join(f"{s[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99"))
+            f"{key[:-3].upper():<12}"
+            + "".join(f"{s[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99"))
         )
     sm = result.get("server_metrics")
     if sm and "deltas" in sm:

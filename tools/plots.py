@@ -1,6 +1,6 @@
 """Plots of a request-rate sweep (headless, Agg): one line per system.
 
-    python -m subway.tools.plots docs/img/sweep.json --out-dir docs/img
+python -m subway.tools.plots docs/img/sweep.json --out-dir docs/img
 """
 
 from __future__ import annotations

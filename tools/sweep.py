@@ -54,7 +54,9 @@ def parse_urls(items: list[str]) -> dict[str, str]:
 
 
 def parse_rates(s: str) -> list[float]:
-    return [math.inf if x.strip() in ("inf", "∞") else float(x) for x in s.split(",") if x.strip()]
+    """Comma-separated requests/s; 'inf' (or 0) sends everything at once."""
+    rates = [float(x) for x in s.replace("∞", "inf").split(",") if x.strip()]
+    return [r if r > 0 else math.inf for r in rates]
 
 
 def sweep(
@@ -79,7 +81,9 @@ def sweep(
                 progress=progress, keep_records=False,
             )  # fmt: skip
             print(format_table(res), flush=True)
-            systems[label].append({"rate": rate, "metrics": res["metrics"], "errors": res.get("errors", [])})
+            systems[label].append(
+                {"rate": rate, "metrics": res["metrics"], "errors": res.get("errors", [])}
+            )
     data = {"urls": urls, "rates": rates, "max_concurrency": max_concurrency, "systems": systems}
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
         json.dump(data, f, indent=1)

@@ -236,7 +236,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default="", help="folder (default: the default model)")
 
 
-def workload_from_args(a: argparse.Namespace, tokenizer: Any = None, **override: Any) -> list[Request]:
+def workload_from_args(
+    a: argparse.Namespace, tokenizer: Any = None, **override: Any
+) -> list[Request]:
     kw = dict(
         num_requests=a.num_requests,
         seed=a.seed,

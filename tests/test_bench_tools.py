@@ -1,0 +1,337 @@
+"""The benchmarking tools: workload generator, HTTP client (against a fake streaming server),
+transformers static-batching baseline (tiny random model), sweep and plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from subway.tools import bench_hf, bench_serving, plots, sweep, workload
+from subway.tools.workload import Request
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model: str) -> Any:
+    return workload.load_tokenizer(default_model)
+
+
+# ---------------------------------------------------------------- workload
+
+
+def test_workload_deterministic_and_roundtrips(tokenizer, tmp_path) -> None:
+    a = workload.generate(tokenizer, num_requests=16, seed=3, rate=4.0)
+    b = workload.generate(tokenizer, num_requests=16, seed=3, rate=4.0)
+    c = workload.generate(tokenizer, num_requests=16, seed=4, rate=4.0)
+    assert a == b
+    assert a != c
+    path = str(tmp_path / "wl.jsonl")
+    workload.save_jsonl(a, path)
+    assert workload.load_jsonl(path) == a
+    assert workload.load_jsonl(path, limit=5) == a[:5]
+    with open(path) as f:
+        first = json.loads(f.readline())
+    assert set(first) == {"id", "prompt", "prompt_tokens", "max_tokens", "arrival_s"}
+
+
+def test_standard_workload_lengths(tokenizer) -> None:
+    reqs = workload.generate(tokenizer)  # the standard workload
+    assert len(reqs) == 64
+    p = np.array([r.prompt_tokens for r in reqs])
+    o = np.array([r.max_tokens for r in reqs])
+    assert 16 <= p.min() and p.max() <= 1024
+    assert 16 <= o.min() and o.max() <= 256
+    assert 9000 <= p.sum() <= 11000
+    assert p.max() > 3 * np.median(p)  # long-tailed
+    assert all(r.arrival_s == 0.0 for r in reqs)
+    for r in reqs[:8]:  # the stated count is the tokenizer's
+        assert len(tokenizer.encode(r.prompt)) == r.prompt_tokens
+
+
+def test_workload_arrivals_and_classes(tokenizer) -> None:
+    reqs = workload.generate(tokenizer, num_requests=200, seed=1, rate=10.0, interactive_frac=0.5)
+    t = np.array([r.arrival_s for r in reqs])
+    assert t[0] == 0 and np.all(np.diff(t) >= 0)
+    assert 0.07 < np.diff(t).mean() < 0.13
+    inter = [r for r in reqs if r.slo_class == "interactive"]
+    assert 60 < len(inter) < 140
+    assert all(r.priority == 0 and r.slo_ttft_ms == 1000.0 for r in inter)
+    users = workload.generate(tokenizer, num_requests=6, users=3)
+    assert [r.user for r in users] == [0, 1, 2, 0, 1, 2]
+
+
+# ---------------------------------------------------------------- fake server
+
+
+class FakeServer:
+    """An OpenAI-ish streaming server: first chunk after `ttft` s, then one chunk every `itl` s.
+
+    Each chunk stands for `tokens_per_chunk` tokens; the usage chunk says so when `usage`.
+    """
+
+    def __init__(self, ttft: float, itl: float, tokens_per_chunk: int = 1, usage: bool = True):
+        self.ttft, self.itl, self.tpc, self.usage = ttft, itl, tokens_per_chunk, usage
+        self.generated = 0
+        self.ttft_count = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = asyncio.start_server(self.handle, "127.0.0.1", 0)
+        self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                path = line.decode().split(" ")[1]
+                headers = {}
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    k, _, v = h.decode().partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                if path == "/v1/models":
+                    await self.send(
+                        writer, "application/json", json.dumps({"data": [{"id": "fake"}]})
+                    )
+                elif path == "/metrics":
+                    await self.send(writer, "text/plain", self.metrics())
+                else:
+                    await self.stream(writer, json.loads(body))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def send(self, writer: asyncio.StreamWriter, ctype: str, text: str) -> None:
+        data = text.encode()
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n"
+        writer.write(head.encode() + data)
+        await writer.drain()
+
+    def metrics(self) -> str:
+        label = '{model_name="fake"}'
+        return (
+            "# TYPE subway:generation_tokens_total counter\n"
+            f"subway:generation_tokens_total{label} {self.generated}\n"
+            f"subway:time_to_first_token_seconds_count{label} {self.ttft_count}\n"
+            f"subway:time_to_first_token_seconds_sum{label} {self.ttft_count * self.ttft}\n"
+        )
+
+    async def stream(self, writer: asyncio.StreamWriter, req: dict[str, Any]) -> None:
+        assert req["stream"] and req["ignore_eos"] and req["temperature"] == 0
+        head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head.encode())
+
+        async def event(obj: Any) -> None:
+            data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+
+        chunks = max(1, req["max_tokens"] // self.tpc)
+        for i in range(chunks):
+            await asyncio.sleep(self.ttft if i == 0 else self.itl)
+            await event({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
+        if self.usage:
+            n = chunks * self.tpc
+            await event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
+        await event("[DONE]")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        self.generated += chunks * self.tpc
+        self.ttft_count += 1
+
+
+def requests(n: int, max_tokens: int, gap: float = 0.0) -> list[Request]:
+    return [Request(f"r{i}", "hello", 3, max_tokens, arrival_s=i * gap) for i in range(n)]
+
+
+def test_client_measures_fake_server() -> None:
+    srv = FakeServer(ttft=0.2, itl=0.05, tokens_per_chunk=2)
+    try:
+        res = bench_serving.benchmark(
+            srv.url,
+            requests(4, max_tokens=10),
+            slo=bench_serving.Slo(ttft_ms=1000, tpot_ms=40),
+            metrics_url=srv.url + "/metrics",
+            progress=False,
+        )
+    finally:
+        srv.close()
+    m = res["metrics"]
+    assert m["completed"] == 4 and m["failed"] == 0
+    assert m["output_tokens"] == 40 and m["prompt_tokens"] == 28 and m["usage_reported"]
+    # 5 chunks: TTFT 0.2 s, then 4 gaps of 0.05 s; TPOT = 0.2 s / 9 tokens.
+    assert m["ttft_ms"]["mean"] == pytest.approx(200, abs=40)
+    assert m["itl_ms"]["p50"] == pytest.approx(50, abs=20)
+    assert m["tpot_ms"]["mean"] == pytest.approx(200 / 9, abs=10)
+    assert m["e2e_ms"]["mean"] == pytest.approx(400, abs=60)
+    assert m["output_throughput"] == pytest.approx(40 / m["duration_s"])
+    assert 0.38 < m["duration_s"] < 0.6
+    assert m["good_requests"] == 4  # TPOT ~22 ms is within 40 ms
+    sm = res["server_metrics"]
+    assert sm["generation_tokens"]["server"] == 40 == sm["generation_tokens"]["client"]
+    assert sm["ttft_count"]["server"] == 4
+    assert "TTFT" in bench_serving.format_table(res)
+
+
+def test_client_without_usage_arrivals_and_concurrency() -> None:
+    srv = FakeServer(ttft=0.05, itl=0.02, tokens_per_chunk=2, usage=False)
+    try:
+        capped = bench_serving.benchmark(
+            srv.url, requests(3, 6), max_concurrency=1, progress=False,
+            slo=bench_serving.Slo(ttft_ms=80),
+        )  # fmt: skip
+        spread = bench_serving.benchmark(srv.url, requests(3, 6, gap=0.3), progress=False)
+    finally:
+        srv.close()
+    m = capped["metrics"]
+    assert m["output_tokens"] == 9 and not m["usage_reported"]  # 3 chunks each, no usage
+    assert m["duration_s"] > 3 * 0.09  # one at a time
+    assert m["good_requests"] == 3
+    starts = [r["start"] for r in spread["requests"]]
+    assert starts[1] == pytest.approx(0.3, abs=0.06) and starts[2] == pytest.approx(0.6, abs=0.06)
+
+
+def test_goodput_counts_slo_violations() -> None:
+    recs = [
+        bench_serving.Record("a", 1, 4, success=True, output_tokens=4, ttft=0.1, e2e=0.4),
+        bench_serving.Record("b", 1, 4, success=True, output_tokens=4, ttft=0.9, e2e=1.2),
+        bench_serving.Record("c", 1, 4, error="boom"),
+    ]
+    reqs = [
+        Request("a", "", 1, 4),
+        Request("b", "", 1, 4, slo_ttft_ms=1000),
+        Request("c", "", 1, 4),
+    ]
+    m = bench_serving.compute_metrics(recs, 2.0, bench_serving.Slo(ttft_ms=500), reqs)
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["good_requests"] == 2  # b has its own, looser TTFT SLO
+    assert m["goodput"] == 1.0
+    assert m["tpot_ms"]["mean"] == pytest.approx(100)  # (0.3 s) / 3 tokens
+
+
+def test_parse_prometheus() -> None:
+    text = '# HELP x\nsubway:generation_tokens_total{model_name="m"} 5.0\nsubway:generation_tokens_total{model_name="n"} 2\nother 1\n'
+    got = bench_serving.parse_prometheus(text)
+    assert got["subway:generation_tokens_total"] == 7.0
+    assert got["subway:time_to_first_token_seconds_count"] == 0.0
+
+
+# ---------------------------------------------------------------- transformers baseline
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, default_model: str) -> str:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("bench") / "tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_static_baseline_on_tiny_model(tiny_llama, tokenizer, tmp_path) -> None:
+    reqs = workload.generate(
+        tokenizer, num_requests=8, seed=0, mean_prompt_tokens=40, max_prompt_tokens=96,
+        min_output_tokens=4, max_output_tokens=16,
+    )  # fmt: skip
+    path = str(tmp_path / "wl.jsonl")
+    workload.save_jsonl(reqs, path)
+    out = str(tmp_path / "hf.json")
+    bench_hf.main(
+        ["--workload", path, "--model", tiny_llama, "--batch-sizes", "2,4", "--dtypes", "float32",
+         "--threads", "1", "--limit", "4", "--out", out]
+    )  # fmt: skip
+    with open(out) as f:
+        res = json.load(f)
+    runs = res["runs"]
+    assert [r["batch_size"] for r in runs] == [2, 4]
+    useful = sum(r.max_tokens for r in reqs[:4])
+    for r in runs:
+        assert r["num_requests"] == 4 and r["output_tokens"] == useful
+        assert r["generated_tokens"] >= useful
+        assert r["output_throughput"] == pytest.approx(useful / r["wall_s"])
+        assert 0 < r["ttft_ms"]["p50"] <= r["latency_ms"]["p50"] <= r["latency_ms"]["max"]
+        assert r["latency_ms"]["max"] <= r["wall_s"] * 1e3 + 1
+    bs4 = runs[1]
+    assert bs4["generated_tokens"] == 4 * max(r.max_tokens for r in reqs[:4])
+    assert res["best_static"]["output_throughput"] == max(r["output_throughput"] for r in runs)
+
+
+@pytest.mark.slow
+def test_cb_baseline_on_tiny_model(tiny_llama, tokenizer) -> None:
+    reqs = workload.generate(tokenizer, num_requests=4, mean_prompt_tokens=30, max_output_tokens=16)
+    res = bench_hf.bench(tiny_llama, reqs, ["cb"], [], ["float32"], threads=1)
+    if "cb_unavailable" in res:
+        pytest.skip(res["cb_unavailable"])
+    run = res["runs"][0]
+    assert "error" not in run, run
+    assert run["exact_lengths"] and run["failed"] == 0
+    assert run["output_tokens"] == sum(r.max_tokens for r in reqs)
+
+
+# ---------------------------------------------------------------- sweep and plots
+
+
+def fake_metrics(tput: float, ttft: float, itl: float) -> dict[str, Any]:
+    return {
+        "output_throughput": tput,
+        "ttft_ms": {"p99": ttft},
+        "itl_ms": {"p99": itl},
+    }
+
+
+def test_plots_write_png(tmp_path) -> None:
+    systems = {
+        "subway": [{"rate": r, "metrics": fake_metrics(r * 10, r, 5)} for r in (1, 2, math.inf)],
+        "hf": [{"rate": r, "metrics": fake_metrics(r * 5, 2 * r, 9)} for r in (1, 2)],
+    }
+    paths = plots.plot_sweep(systems, str(tmp_path / "img"))
+    assert [os.path.basename(p) for p in paths] == ["throughput.png", "ttft_p99.png", "itl_p99.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_against_fake_servers(tokenizer, tmp_path) -> None:
+    a, b = FakeServer(0.02, 0.005), FakeServer(0.04, 0.01)
+    try:
+        data = sweep.sweep(
+            sweep.parse_urls([f"fast={a.url}", f"slow={b.url}"]),
+            sweep.parse_rates("20,inf"),
+            lambda rate: workload.generate(
+                tokenizer, num_requests=3, rate=rate, mean_prompt_tokens=20, max_output_tokens=16
+            ),
+            str(tmp_path),
+            progress=False,
+        )
+    finally:
+        a.close()
+        b.close()
+    with open(tmp_path / "sweep.json") as f:
+        saved = json.load(f)
+    assert set(saved["systems"]) == {"fast", "slow"}
+    for pts in saved["systems"].values():
+        assert [p["rate"] for p in pts] == [20, math.inf]
+        assert all(p["metrics"]["completed"] == 3 for p in pts)
+    assert all(os.path.getsize(p) > 0 for p in data["plots"])
+    assert os.path.exists(tmp_path / "workload-rate-inf.jsonl")
