@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from subway.kernels import cpu_ext
+
 
 @dataclass
 class AttentionMetadata:
@@ -152,6 +154,23 @@ def paged_attention(
 
 
 def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. On the CPU the compiled kernel reads the blocks in place."""
+    ext = cpu_ext.load() if q.device.type == "cpu" else None
+    if ext is None:
+        return decode_attention_torch(q, k_cache, v_cache, md, scale)
+    tables, lens = md.block_tables, md.context_lens
+    if not md.all_decode:
+        tables, lens = tables.index_select(0, md.decode_seqs), lens.index_select(0, md.decode_seqs)
+    return ext.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+
+
+def decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -91,18 +91,21 @@ def demo_request(config: EngineConfig) -> str:
         return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
-def _stop(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
-    """SIGTERM in order (frontend, scheduler, workers), then SIGKILL what is left after `timeout`."""
-    for _, p in procs:
+def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> None:
+    """Stop in order: the frontend first (it drains for up to `drain_timeout`), then the
+    scheduler (it tells the workers to exit), then any worker left; SIGKILL what will not go."""
+    for i, (name, p) in enumerate(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for _, p in procs:
         try:
-            p.wait(max(0.1, deadline - time.monotonic()))
+            p.wait(drain_timeout + 5 if name == "frontend" else 10)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            print(f"subway: {name} did not stop; killing it", file=sys.stderr)
+            for _, rest in procs[i:]:
+                if rest.poll() is None:
+                    rest.kill()
+    for _, p in procs:
+        p.wait()
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
@@ -143,7 +146,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 print("subway: press Ctrl-C to stop", flush=True)
             time.sleep(0.2)
     finally:
-        _stop(procs, timeout=config.shutdown_timeout + 10)
+        _stop(procs, drain_timeout=config.shutdown_timeout if code == 0 else 0.0)
         left = remove_leftovers(config)
         if left:
             print(f"subway: removed leftover shared memory {left}", file=sys.stderr)

@@ -1,0 +1,51 @@
+"""The CPU kernels in `kernels/csrc/`, compiled on first use with torch's C++ extension builder.
+
+The build is cached (under ~/.cache/subway/ext, or $SUBWAY_CACHE/ext) and compiled
+for the machine it runs on. Where there is no compiler, or SUBWAY_CPU_EXT=0, `load()`
+returns None and callers keep the plain PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("subway.kernels")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _build_dir() -> str:
+    from subway.worker.default_model import cache_root
+
+    path = os.path.join(cache_root(), "ext")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load():
+    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        if os.environ.get("SUBWAY_CPU_EXT", "1") != "0":
+            try:
+                from torch.utils import cpp_extension
+
+                src = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_cpu.cpp")
+                module = cpp_extension.load(
+                    name="subway_cpu_kernels",
+                    sources=[src],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                    build_directory=_build_dir(),
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no headers: the reference still works
+                log.warning("CPU kernels unavailable, using the PyTorch reference: %s", e)
+        _state["module"] = module
+        return module

@@ -1,0 +1,96 @@
+// Paged decode attention for the CPU: one query token per sequence, keys and values read
+// in place from the block-paged caches (no gather copy), GQA, online over the context.
+//
+// q            [n, num_heads, head_dim]
+// k_cache      [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
+// block_tables [n, max_blocks] int32
+// context_lens [n] int32
+// returns      [n, num_heads, head_dim], q's dtype
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                          const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                          int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;  // stride between consecutive tokens of one block
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t s = idx / KVH, h = idx % KVH;
+      const int64_t L = ctx[s];
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = static_cast<float>(q[(s * H + h * G + g) * D + d]) * scale;
+      scores.assign(G * L, 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const T* k = kc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+          scores[g * L + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const T* v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          out[(s * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode: head shapes do not match");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                            context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), n, H,
+                            KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)");
+}

@@ -1,0 +1,182 @@
+"""The runtime: overlap, tensor parallelism through `serve`, per-process launch, and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import SamplingParams
+from subway.tools.offline import OfflineEngine, Output
+
+from reference import hf_greedy
+from serving import Server, free_port
+
+# ----------------------------------------------------------------------------- overlap
+
+
+def _overlap_run(config, prompts, stop_ids, overlap):
+    eng = OfflineEngine(config)
+    ids = [
+        eng.add(p, SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    stop_rid = eng.add(prompts[3], SamplingParams(max_tokens=20, stop_token_ids=stop_ids,
+                                                 temperature=0.0))  # fmt: skip
+    out: dict[str, Output] = {}
+    eng.run(out, overlap=overlap, abort_after={ids[2]: 3, ids[7]: 1})
+    return {rid: (o.token_ids, o.finish_reason) for rid, o in out.items()}, ids, stop_rid
+
+
+def test_overlap_equals_sync_with_stops_aborts_and_chunks(tiny_models):
+    """The same requests and aborts: overlapped and synchronous loops give the same tokens."""
+    config = EngineConfig(
+        model=tiny_models["llama"], max_num_batched_tokens=40, num_kv_blocks=80, max_num_seqs=8
+    )
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(5 + 23 * i)] for i in range(10)]
+    probe, ids, _ = _overlap_run(config, prompts, [], overlap=False)
+    stop_ids = [probe[ids[3]][0][5]]  # a token request 3 produces: the stop request ends on it
+    sync, ids, stop_rid = _overlap_run(config, prompts, stop_ids, overlap=False)
+    over, _, _ = _overlap_run(config, prompts, stop_ids, overlap=True)
+    assert sync[stop_rid][1] == "stop" and sync[stop_rid][0][-1] == stop_ids[0]
+    assert sync[ids[5]][1] == "length"
+    for rid in over:
+        if rid in (ids[2], ids[7]):  # aborted: overlap may have had one more token in flight
+            assert over[rid][1] == sync[rid][1] == "abort"
+            n = len(sync[rid][0])
+            assert over[rid][0][:n] == sync[rid][0][: len(over[rid][0])]
+            continue
+        assert over[rid] == sync[rid], rid
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_serve_equals_transformers(tiny_models, arch):
+    from transformers import AutoTokenizer
+
+    s = Server(tiny_models[arch], "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
+    try:
+        assert sorted(c.cmdline()[3] for c in s.children()) == [
+            "frontend", "scheduler", "worker", "worker",
+        ]  # fmt: skip
+        tok = AutoTokenizer.from_pretrained(tiny_models[arch])
+        for prompt in ("Tensor parallel ranks share", "one two three four five six"):
+            r = httpx.post(
+                s.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                timeout=60,
+            )
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            assert r.json()["choices"][0]["text"] == tok.decode(
+                hf_greedy(tiny_models[arch], ids, 10).tokens
+            )
+    finally:
+        assert s.stop() == 0
+        assert s.shm_files() == []
+
+
+# --------------------------------------------------------------- per-process launch
+
+
+def test_processes_started_one_by_one_over_tcp(tiny_models):
+    """As a two-host deployment would: tcp addresses, ids inline, each process its own command."""
+    ports = [free_port() for _ in range(4)]
+    http = free_port()
+    flags = [
+        "--model", tiny_models["llama"], "--run-id", f"pp{ports[0]}", "--no-shm",
+        "--scheduler-addr", f"tcp://127.0.0.1:{ports[0]}",
+        "--frontend-addr", f"tcp://127.0.0.1:{ports[1]}",
+        "--plan-addr", f"tcp://127.0.0.1:{ports[2]}",
+        "--result-addr", f"tcp://127.0.0.1:{ports[3]}",
+        "--dist-init-addr", f"127.0.0.1:{free_port()}",
+        "--port", str(http), "--num-kv-blocks", "64",
+    ]  # fmt: skip
+    cli = [sys.executable, "-m", "subway.tools.cli"]
+    procs = [
+        subprocess.Popen([*cli, "scheduler", *flags]),
+        subprocess.Popen([*cli, "worker", "--rank", "0", *flags]),
+        subprocess.Popen([*cli, "frontend", *flags]),
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs)
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # bounded wait for readiness
+        r = httpx.post(
+            f"http://127.0.0.1:{http}/v1/completions",
+            json={"prompt": "Hello there", "max_tokens": 5, "ignore_eos": True},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert not [f for f in os.listdir("/dev/shm") if f"pp{ports[0]}" in f]
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(30) for p in procs]
+    assert codes == [0, 0, 0]
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _load(server: Server):
+    """A coroutine function: one long streaming request, returning the text it got."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+    async def one(i: int):
+        text = ""
+        stream = await client.completions.create(
+            model="x", prompt=f"load {i} " * 10, max_tokens=2000,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+        return text
+
+    return one
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler", "frontend"])
+def test_kill_9_during_load(tiny_models, victim):
+    s = Server(tiny_models["llama"], "--served-model-name", "x", "--num-kv-blocks", "256",
+               "--max-model-len", "2048")  # fmt: skip
+    pids = [c.pid for c in s.children()]
+    one = _load(s)
+
+    async def run():
+        tasks = [asyncio.create_task(one(i)) for i in range(4)]
+        # Wait until tokens flow, then kill.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and s.metrics().get("subway:num_requests_running", 0) < 1:
+            await asyncio.sleep(0.1)
+        s.child(victim).kill()
+        t0 = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, time.monotonic() - t0
+
+    results, took = asyncio.run(run())
+    # Every in-flight request ended (with an error, or cut short), within the bound.
+    assert took < 15, took
+    assert all(isinstance(r, Exception) or len(r) < 2000 * 8 for r in results)
+    code = s.proc.wait(30)
+    assert code != 0
+    log = s.read_output()
+    assert f"{victim}" in log and "exited" in log
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert s.shm_files() == []
