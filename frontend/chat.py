@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from subway.frontend.generation import (
-    ChoiceEvent,
-    ChoiceSpec,
-    ClientDisconnected,
-    merge_choices,
-    run_choice,
+from subway.frontend.generation import ChoiceGroup, ChoiceSpec, ClientDisconnected
+from subway.frontend.inputs import (
+    chat_prompt,
+    choice_sampling,
+    resolve_max_tokens,
+    sampling_params,
 )
-from subway.frontend.inputs import chat_prompt, resolve_max_tokens, sampling_params
 from subway.frontend.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -31,6 +28,7 @@ from subway.frontend.protocol import (
 from subway.frontend.serving import (
     SSE_DONE,
     ServingContext,
+    access_record,
     chat_logprobs,
     check_model,
     engine_failure,
@@ -51,7 +49,7 @@ def _specs(req: ChatCompletionRequest, ctx: ServingContext, request_id: str):
             index=i,
             request_id=f"{request_id}-{i}",
             prompt_ids=prompt.ids,
-            sampling=sampling,
+            sampling=choice_sampling(sampling, i),
             stops=req.stop_strings(),
             skip_special_tokens=req.skip_special_tokens,
             priority=req.priority,
@@ -68,13 +66,22 @@ async def create_chat_completion(request: Request, ctx: ServingContext) -> Respo
     check_model(req, ctx.config)
     request_id = new_id("chatcmpl")
     prompt, specs = _specs(req, ctx, request_id)
-    makers = [
-        functools.partial(run_choice, ctx.engine, ctx.tokenizer, s, ctx.metrics) for s in specs
-    ]
+    record = access_record(request, request_id, len(prompt.ids))
+    try:
+        group = ChoiceGroup(
+            ctx.engine,
+            ctx.tokenizer,
+            specs,
+            request=request,
+            metrics=ctx.metrics,
+            timeout=ctx.timeout(req.timeout),
+            record=record,
+        )
+    except Exception as e:
+        raise engine_failure(e) from e
     model = ctx.config.served_model_name
     if req.stream:
-        events = merge_choices(makers, request)
-        body = _stream(ctx, req, request_id, model, events, len(prompt.ids))
+        body = _stream(ctx, req, request_id, model, group, len(prompt.ids))
         return StreamingResponse(body, media_type="text/event-stream")
 
     texts = [""] * req.n
@@ -82,14 +89,13 @@ async def create_chat_completion(request: Request, ctx: ServingContext) -> Respo
     finish: list[str | None] = [None] * req.n
     lps = [ChatLogprobs(content=[]) if req.logprobs else None for _ in specs]
     try:
-        async with contextlib.aclosing(merge_choices(makers, request)) as events:
-            async for ev in events:
-                lp = lps[ev.index]
-                if ev.logprobs is not None and lp is not None and lp.content is not None:
-                    lp.content += chat_logprobs(ctx, ev.logprobs).content or []
-                texts[ev.index] += ev.text
-                counts[ev.index] += len(ev.token_ids)
-                finish[ev.index] = ev.finish_reason or finish[ev.index]
+        async for ev in group.events():
+            lp = lps[ev.index]
+            if ev.logprobs is not None and lp is not None and lp.content is not None:
+                lp.content += chat_logprobs(ctx, ev.logprobs).content or []
+            texts[ev.index] += ev.text
+            counts[ev.index] += len(ev.token_ids)
+            finish[ev.index] = ev.finish_reason or finish[ev.index]
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:
@@ -121,7 +127,7 @@ async def _stream(
     req: ChatCompletionRequest,
     request_id: str,
     model: str,
-    events: AsyncGenerator[ChoiceEvent, None],
+    group: ChoiceGroup,
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -132,7 +138,7 @@ async def _stream(
         for i in range(req.n):
             delta = DeltaMessage(role="assistant", content="")
             yield chunk([ChatChunkChoice(index=i, delta=delta)])
-        async for ev in events:
+        async for ev in group.events():
             completion_tokens += len(ev.token_ids)
             if not (ev.text or ev.finish_reason or ev.logprobs):
                 continue
@@ -152,7 +158,7 @@ async def _stream(
         yield SSE_DONE
         return
     finally:
-        await events.aclose()
+        group.close()
     if req.include_usage:
         usage = Usage(
             prompt_tokens=prompt_tokens,

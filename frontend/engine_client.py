@@ -12,7 +12,9 @@ when a later delta for it arrives or after `abort_release_s`, because a plan
 that reads it may already be on its way to the workers.
 
 Sends use NOBLOCK and never await, so that an abort can be sent from a
-`finally` block of a cancelled task.
+`finally` block of a cancelled task. `submit` is synchronous for the same
+reason, and so that admission (the `max_waiting` bound) is decided before a
+response starts: a request either is in the scheduler's hands or raised.
 """
 
 from __future__ import annotations
@@ -54,6 +56,47 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve this request: not ready, failed, silent, or shutting down."""
 
 
+class QueueFullError(RuntimeError):
+    """More requests wait for the engine than `max_waiting` allows."""
+
+
+class RequestStream:
+    """The deltas of one submitted request, up to the one with a finish_reason.
+
+    Iterate it with `async for`; `close()` (idempotent) ends it, sending an
+    AbortRequest if the request had not finished. Raises EngineDeadError when
+    the engine fails or the request is aborted from outside.
+    """
+
+    def __init__(self, client: EngineClient, request_id: str, queue: asyncio.Queue) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue = queue
+        self.finished = False
+        self.closed = False
+        self.submitted_at = time.time()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.client._done(self.request_id, self.finished)
+
+
 class EngineClient:
     def __init__(
         self,
@@ -73,6 +116,7 @@ class EngineClient:
         self.error: str | None = None
         self._last_seen = 0.0
         self._queues: dict[str, asyncio.Queue] = {}
+        self._unstarted: set[str] = set()  # submitted, no delta yet: waiting (or prefilling)
         self._runs: dict[str, int] = {}  # request id -> offset of its prompt in shm
         self._codec_out = Codec(ToScheduler)
         self._codec_in = Codec(ToFrontend)
@@ -97,6 +141,28 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a place in the batch, as far as this frontend can tell.
+
+        Requests without a token yet, less the batch places (`max_num_seqs`) that
+        requests with tokens leave free: a burst that the scheduler admits at once
+        does not count as waiting. The scheduler's own count (preemptions, a batch
+        limited by KV blocks) when it is larger.
+        """
+        unstarted = len(self._unstarted)
+        started = len(self._queues) - unstarted
+        free = max(0, self.config.max_num_seqs - started)
+        local = max(0, unstarted - free)
+        engine = self.stats.num_waiting if self.stats is not None else 0
+        return max(local, engine)
+
+    def check_capacity(self, n: int, max_waiting: int | None = None) -> None:
+        """Raise QueueFullError if `n` more requests would exceed `max_waiting` (0: no bound)."""
+        limit = self.config.max_waiting if max_waiting is None else max_waiting
+        if limit > 0 and self.num_waiting + n > limit:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (at most {limit})")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -144,6 +210,50 @@ class EngineClient:
 
     # ------------------------------------------------------------ requests
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 0,
+        slo_ttft_ms: float | None = None,
+        slo_class: str = "interactive",
+    ) -> RequestStream:
+        """Send one request to the scheduler now; its deltas come through the returned stream.
+
+        Raises EngineDeadError if the engine cannot serve. Whoever holds the
+        stream must close it (it aborts the request if unfinished).
+        """
+        if not self.ready or self._push is None:
+            raise EngineDeadError(self.error or "the engine is not ready")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._unstarted.add(request_id)
+        stream = RequestStream(self, request_id, queue)
+        try:
+            self._send(
+                AddRequest(
+                    request_id=request_id,
+                    prompt=self._prompt_ref(request_id, prompt_ids),
+                    prompt_len=len(prompt_ids),
+                    sampling=sampling,
+                    arrival_time=stream.submitted_at,
+                    priority=priority,
+                    slo_ttft_ms=slo_ttft_ms,
+                    slo_class=slo_class,
+                )
+            )
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self._unstarted.discard(request_id)
+            self._release(request_id)
+            stream.closed = True
+            raise
+        return stream
+
     async def generate(
         self,
         request_id: str,
@@ -154,49 +264,32 @@ class EngineClient:
         slo_ttft_ms: float | None = None,
         slo_class: str = "interactive",
     ) -> AsyncIterator[RequestDelta]:
-        """The deltas of one request, up to the one with a finish_reason.
-
-        Raises EngineDeadError if the engine cannot serve. Leaving early (close,
-        cancel, exception in the consumer) sends AbortRequest: use
-        `contextlib.aclosing` so that this happens at once.
-        """
-        if not self.ready or self._push is None:
-            raise EngineDeadError(self.error or "the engine is not ready")
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        finished = False
+        """`submit` as an async generator: leaving it early (close, cancel, exception in
+        the consumer) aborts the request; use `contextlib.aclosing` so that this happens at once."""
+        stream = self.submit(
+            request_id,
+            prompt_ids,
+            sampling,
+            priority=priority,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_class=slo_class,
+        )
         try:
-            self._send(
-                AddRequest(
-                    request_id=request_id,
-                    prompt=self._prompt_ref(request_id, prompt_ids),
-                    prompt_len=len(prompt_ids),
-                    sampling=sampling,
-                    arrival_time=time.time(),
-                    priority=priority,
-                    slo_ttft_ms=slo_ttft_ms,
-                    slo_class=slo_class,
-                )
-            )
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            async for delta in stream:
+                yield delta
         finally:
-            self._queues.pop(request_id, None)
-            if finished:
-                self._release(request_id)
-            else:
-                with contextlib.suppress(EngineDeadError):
-                    self._send(AbortRequest(request_id=request_id))
-                self._release_later(request_id)
+            stream.close()
+
+    def _done(self, request_id: str, finished: bool) -> None:
+        """A stream ended: forget its queue; abort the request in the scheduler if unfinished."""
+        self._queues.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        if finished:
+            self._release(request_id)
+        else:
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequest(request_id=request_id))
+            self._release_later(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream (it then ends with an EngineDeadError)."""
@@ -243,6 +336,7 @@ class EngineClient:
         if isinstance(msg, Deltas):
             for delta in msg.deltas:
                 self._release(delta.request_id)
+                self._unstarted.discard(delta.request_id)
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
                     queue.put_nowait(delta)

@@ -10,7 +10,14 @@ from subway.frontend.protocol import ErrorInfo, ErrorResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -19,11 +26,18 @@ _TYPES = {
 class APIError(Exception):
     """Raised anywhere in a request's handling; turned into an error response by the app."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     def body(self) -> ErrorResponse:
         kind = _TYPES.get(self.status, "invalid_request_error")
@@ -32,7 +46,10 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+    def json_bytes(self) -> bytes:
+        return self.body().model_dump_json().encode()
 
 
 def from_validation_error(e: ValidationError) -> APIError:

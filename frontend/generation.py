@@ -1,15 +1,23 @@
-"""Running the engine requests of one HTTP request: text events per choice, merged.
+"""Running the engine requests of one API request: text events per choice, merged.
 
 Each choice (n per prompt) is its own engine request, detokenized on its own.
-`merge_choices` runs them as tasks and yields their events in arrival order;
-a client disconnect cancels every task at once, which aborts their engine
-requests (see `EngineClient.generate`), even when nobody reads the stream any more.
+A `ChoiceGroup` submits them all at once, synchronously, so that a full queue
+or a dead engine is an error response before any response starts; then it runs
+one task per choice and yields their events in arrival order. A client
+disconnect cancels every task at once, which aborts their engine requests,
+even when nobody reads the stream any more. A deadline (the request's timeout)
+ends every unfinished choice with finish_reason "abort".
+
+Metrics are observed as tokens arrive (time to first token, inter-token
+latency) and when a choice ends, however it ends (end-to-end latency, finish
+reason); `AccessRecord` collects what the access log line reports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -17,9 +25,9 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from subway.frontend.detokenizer import Detokenizer
-from subway.frontend.engine_client import EngineClient, EngineDeadError
+from subway.frontend.engine_client import EngineClient, EngineDeadError, RequestStream
 from subway.frontend.metrics import Metrics
-from subway.ipc.messages import RequestDelta, SamplingParams
+from subway.ipc.messages import PromptLogprobs, RequestDelta, SamplingParams
 
 
 class ClientDisconnected(Exception):
@@ -33,8 +41,8 @@ class GenerationError(RuntimeError):
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None
+    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -54,9 +62,35 @@ class ChoiceSpec:
 class ChoiceEvent:
     index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # tokens this event accounts for
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked
+
+
+@dataclass
+class AccessRecord:
+    """What the access log says about one API request (filled in by its handler)."""
+
+    request_id: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def note(self, event: ChoiceEvent) -> None:
+        self.output_tokens += len(event.token_ids)
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.time()
+        if event.finish_reason is not None:
+            self.finish_reasons.append(event.finish_reason)
+
+
+def _finite(x: float) -> float | None:
+    """Logprobs as JSON takes them: NaN (not computed) is None, -inf is clamped as vLLM does."""
+    if math.isnan(x):
+        return None
+    return max(x, -9999.0)
 
 
 def _logprobs(delta: RequestDelta, n: int) -> list[TokenLogprob] | None:
@@ -66,58 +100,117 @@ def _logprobs(delta: RequestDelta, n: int) -> list[TokenLogprob] | None:
     for i in range(n):
         top_ids = delta.top_ids[i] if delta.top_ids else []
         top_lps = delta.top_logprobs[i] if delta.top_logprobs else []
-        out.append(
-            TokenLogprob(
-                delta.token_ids[i], delta.logprobs[i], list(zip(top_ids, top_lps, strict=False))
-            )
-        )
+        top = [(t, _finite(v)) for t, v in zip(top_ids, top_lps, strict=False)]
+        out.append(TokenLogprob(delta.token_ids[i], _finite(delta.logprobs[i]), top))
+    return out
+
+
+def prompt_token_logprobs(
+    prompt_ids: list[int], plp: PromptLogprobs | None
+) -> list[TokenLogprob] | None:
+    """One entry per prompt token; the first has no logprob (nothing comes before it)."""
+    if plp is None:
+        return None
+    out = [TokenLogprob(prompt_ids[0], None, None)]
+    for j, token_id in enumerate(prompt_ids[1:]):
+        lp = _finite(plp.logprobs[j]) if j < len(plp.logprobs) else None
+        ids = plp.top_ids[j] if j < len(plp.top_ids) else []
+        vals = plp.top_logprobs[j] if j < len(plp.top_logprobs) else []
+        top = [(t, _finite(v)) for t, v in zip(ids, vals, strict=False)]
+        out.append(TokenLogprob(token_id, lp, top if lp is not None else None))
     return out
 
 
 async def run_choice(
-    engine: EngineClient, tokenizer, spec: ChoiceSpec, metrics: Metrics | None = None
+    stream: RequestStream,
+    tokenizer,
+    spec: ChoiceSpec,
+    metrics: Metrics | None = None,
+    deadline: float | None = None,
+    step_time: Callable[[], float] | None = None,
 ) -> AsyncIterator[ChoiceEvent]:
     """One choice's events; the last one has a finish_reason. Stops early on a stop string.
 
-    With `metrics`, a request that finishes (not one cut by a disconnect) is observed.
+    `deadline` (loop time): past it, the choice ends with finish_reason "abort".
+    The caller closes `stream` (which aborts the engine request if it still runs).
     """
-    arrival = time.time()
-    token_times: list[float] = []
+    arrival = stream.submitted_at
+    last_token_at: float | None = None
+    observed = False
+    num_tokens = 0
     detok = Detokenizer(tokenizer, spec.prompt_ids, spec.stops, spec.skip_special_tokens)
-    stream = engine.generate(
-        spec.request_id,
-        spec.prompt_ids,
-        spec.sampling,
-        priority=spec.priority,
-        slo_ttft_ms=spec.slo_ttft_ms,
-        slo_class=spec.slo_class,
-    )
-    async with contextlib.aclosing(stream) as deltas:
-        async for delta in deltas:
+
+    def observe_tokens(n: int, delta: RequestDelta) -> None:
+        nonlocal last_token_at, num_tokens
+        num_tokens += n
+        if metrics is None or n == 0:
+            return
+        now = time.time()
+        for _ in range(n):
+            if last_token_at is None:
+                queue_time = delta.queue_time
+                if queue_time is None:  # the scheduler did not say: the first step's time out
+                    queue_time = (now - arrival) - (step_time() if step_time else 0.0)
+                metrics.observe_first_token(now - arrival, queue_time)
+            else:
+                metrics.observe_inter_token(now - last_token_at)
+            last_token_at = now
+
+    def finish(reason: str) -> None:
+        nonlocal observed
+        if metrics is not None and not observed:
+            observed = True
+            metrics.observe_finish(len(spec.prompt_ids), num_tokens, time.time() - arrival, reason)
+
+    first = True
+    try:
+        while True:
+            try:
+                if deadline is None:
+                    delta = await anext(stream)
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        delta = await anext(stream)
+            except TimeoutError:
+                last = detok.finish()
+                finish("abort")
+                yield ChoiceEvent(spec.index, last.text, finish_reason="abort")
+                return
+            except StopAsyncIteration:
+                raise EngineDeadError(
+                    f"request {spec.request_id} ended without a finish reason"
+                ) from None
             if delta.finish_reason == "error":
                 raise GenerationError(f"the engine failed request {spec.request_id}")
-            step = detok.add(delta.token_ids)
-            event = ChoiceEvent(
-                spec.index,
-                step.text,
-                list(delta.token_ids[: step.num_tokens]),
-                _logprobs(delta, step.num_tokens),
-            )
-            token_times += [time.time()] * step.num_tokens
+            ids = delta.token_ids
+            # A token-id stop (EOS, stop_token_ids) counts as output but shows no text.
+            stop_token = delta.finish_reason == "stop" and len(ids) > 0
+            step = detok.add(ids[:-1] if stop_token else ids)
+            used = step.num_tokens if step.stopped else len(ids)
+            event = ChoiceEvent(spec.index, step.text, list(ids[:used]), _logprobs(delta, used))
+            if first:
+                first = False
+                event.prompt_logprobs = prompt_token_logprobs(
+                    spec.prompt_ids, delta.prompt_logprobs
+                )
+                if spec.sampling.prompt_logprobs is not None and event.prompt_logprobs is None:
+                    event.prompt_logprobs = prompt_token_logprobs(
+                        spec.prompt_ids, PromptLogprobs([math.nan] * (len(spec.prompt_ids) - 1))
+                    )
+            observe_tokens(used, delta)
             if step.stopped:
                 event.finish_reason = "stop"
             elif delta.finish_reason is not None:
                 last = detok.finish()
                 event.text += last.text
                 event.finish_reason = "stop" if last.stopped else delta.finish_reason
-            if event.finish_reason is not None and metrics is not None:
-                metrics.observe_request(
-                    len(spec.prompt_ids), token_times, arrival, time.time(), event.finish_reason
-                )
+            if event.finish_reason is not None:
+                finish(event.finish_reason)
             yield event
             if event.finish_reason is not None:
-                return  # leaving the `async with` aborts the engine request if it still runs
-    raise EngineDeadError(f"request {spec.request_id} ended without a finish reason")
+                return
+    finally:
+        finish("abort")  # a no-op if the choice finished; else it was cut (disconnect, error)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -129,46 +222,99 @@ _DONE = object()
 _DISCONNECTED = object()
 
 
-async def merge_choices(
-    choices: list[Callable[[], AsyncIterator[ChoiceEvent]]], request: Request | None
-) -> AsyncIterator[ChoiceEvent]:
-    """Events of all choices as they come. Raises ClientDisconnected, EngineDeadError, GenerationError."""
-    queue: asyncio.Queue = asyncio.Queue()
+class ChoiceGroup:
+    """The engine requests of one API request: submitted on construction, events merged.
 
-    async def pump(make: Callable[[], AsyncIterator[ChoiceEvent]]) -> None:
+    Construction raises QueueFullError (too many waiting) or EngineDeadError
+    before anything is sent for the group. `events()` raises ClientDisconnected,
+    EngineDeadError or GenerationError; leaving it (or `close()`) aborts every
+    unfinished engine request.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer,
+        specs: list[ChoiceSpec],
+        *,
+        request: Request | None = None,
+        metrics: Metrics | None = None,
+        timeout: float | None = None,
+        record: AccessRecord | None = None,
+    ) -> None:
+        self.record = record
+        self.streams: list[RequestStream] = []
+        engine.check_capacity(len(specs))
         try:
-            async with contextlib.aclosing(make()) as events:
-                async for event in events:
-                    queue.put_nowait(event)
-            queue.put_nowait(_DONE)
+            for s in specs:
+                self.streams.append(
+                    engine.submit(
+                        s.request_id,
+                        s.prompt_ids,
+                        s.sampling,
+                        priority=s.priority,
+                        slo_ttft_ms=s.slo_ttft_ms,
+                        slo_class=s.slo_class,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+
+        def step_time() -> float:
+            return engine.stats.step_time if engine.stats is not None else 0.0
+
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [
+            asyncio.create_task(
+                self._pump(run_choice(st, tokenizer, s, metrics, deadline, step_time))
+            )
+            for st, s in zip(self.streams, specs, strict=True)
+        ]
+        self.watcher = asyncio.create_task(self._watch(request)) if request is not None else None
+
+    async def _pump(self, events: AsyncIterator[ChoiceEvent]) -> None:
+        try:
+            async with contextlib.aclosing(events) as it:
+                async for event in it:
+                    self.queue.put_nowait(event)
+            self.queue.put_nowait(_DONE)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            queue.put_nowait(e)
+            self.queue.put_nowait(e)
 
-    tasks = [asyncio.create_task(pump(make)) for make in choices]
-
-    async def watch() -> None:
+    async def _watch(self, request: Request) -> None:
         await _wait_disconnect(request)
-        for t in tasks:
-            t.cancel()
-        queue.put_nowait(_DISCONNECTED)
+        self.close()
+        self.queue.put_nowait(_DISCONNECTED)
 
-    watcher = asyncio.create_task(watch()) if request is not None else None
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif item is _DISCONNECTED:
-                raise ClientDisconnected()
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        remaining = len(self.tasks)
+        try:
+            while remaining:
+                item = await self.queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif item is _DISCONNECTED:
+                    raise ClientDisconnected()
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    if self.record is not None:
+                        self.record.note(item)
+                    yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the tasks and abort every unfinished engine request. Idempotent."""
+        for t in getattr(self, "tasks", []):
             t.cancel()
-        if watcher is not None:
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None and watcher is not asyncio.current_task():
             watcher.cancel()
+        for st in self.streams:
+            st.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from subway.frontend.errors import APIError
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from subway.ipc.messages import SamplingParams
@@ -26,7 +28,7 @@ class Prompt:
     text: str | None = None  # the prompt as text, when it was given (or rendered) as text
 
 
-def _check_ids(ids: Sequence[int], limits: Limits, param: str) -> None:
+def check_token_ids(ids: Sequence[int], limits: Limits, param: str) -> None:
     for i in ids:
         if not 0 <= i < limits.vocab_size:
             raise APIError(
@@ -46,6 +48,13 @@ def _check_length(prompt: Prompt, limits: Limits, param: str) -> None:
         )
 
 
+def encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as e:  # the tokenizer refuses the text: the client's fault
+        raise APIError(400, f"cannot tokenize the {param}: {e}", param) from e
+
+
 def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits) -> list[Prompt]:
     raw = req.prompt
     if isinstance(raw, str):
@@ -57,16 +66,18 @@ def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompt = Prompt(tokenizer.encode(item, add_special_tokens=True), item)
+            prompt = Prompt(encode(tokenizer, item, True, "prompt"), item)
         else:
-            _check_ids(item, limits, "prompt")
+            check_token_ids(item, limits, "prompt")
             prompt = Prompt(list(item))
         _check_length(prompt, limits, "prompt")
         prompts.append(prompt)
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Prompt:
+def chat_prompt(
+    req: ChatCompletionRequest, tokenizer, limits: Limits, check_length: bool = True
+) -> Prompt:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(
@@ -78,8 +89,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Prompt
         )
     except Exception as e:  # jinja errors, a tokenizer without a template, ...
         raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
-    prompt = Prompt(tokenizer.encode(text, add_special_tokens=False), text)
-    _check_length(prompt, limits, "messages")
+    prompt = Prompt(encode(tokenizer, text, False, "messages"), text)
+    if check_length:
+        _check_length(prompt, limits, "messages")
     return prompt
 
 
@@ -101,10 +113,14 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, limits: Limits
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    limits: Limits,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop_ids = list(req.stop_token_ids or [])
-    _check_ids(stop_ids, limits, "stop_token_ids")
+    check_token_ids(stop_ids, limits, "stop_token_ids")
     top_k = req.top_k if req.top_k not in (None, 0) else -1
     return SamplingParams(
         max_tokens=max_tokens,
@@ -119,4 +135,13 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of n: a seeded request's choices draw from seeds seed, seed+1, ... (as
+    vLLM), so that they differ from each other but are reproducible."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + index)

@@ -49,7 +49,7 @@ class Metrics:
             "prefix_cache_hits", "Prompt tokens served from the prefix cache."
         )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of ended requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
@@ -60,6 +60,15 @@ class Metrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to the first scheduled step."
         )
+        for metric in (
+            self.running, self.waiting, self.kv_usage, self.batch_size, self.kv_blocks_free,
+            self.scheduler_time, self.worker_idle, self.preemptions, self.prefix_hits,
+            self.prefix_queries, self.prompt_tokens, self.generation_tokens,
+            self.ttft, self.itl, self.e2e, self.queue_time,
+        ):  # fmt: skip
+            metric.labels(model_name)  # every series exists from the start, at 0
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
         # Engine totals arrive as running totals; counters take the increase.
         self._seen_preemptions = 0
         self._seen_hits = 0
@@ -85,6 +94,27 @@ class Metrics:
                 counter.labels(m).inc(total_now - seen)
                 setattr(self, attr, total_now)
 
+    def observe_first_token(self, ttft: float, queue_time: float | None = None) -> None:
+        m = self.model_name
+        self.generation_tokens.labels(m).inc()
+        self.ttft.labels(m).observe(max(0.0, ttft))
+        if queue_time is not None:
+            self.queue_time.labels(m).observe(max(0.0, queue_time))
+
+    def observe_inter_token(self, seconds: float) -> None:
+        m = self.model_name
+        self.generation_tokens.labels(m).inc()
+        self.itl.labels(m).observe(max(0.0, seconds))
+
+    def observe_finish(
+        self, prompt_tokens: int, output_tokens: int, e2e: float, finish_reason: str
+    ) -> None:
+        """One engine request ended, however it ended (finish_reason "abort" when cut)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.success.labels(m, finish_reason).inc()
+        self.e2e.labels(m).observe(max(0.0, e2e))
+
     def observe_request(
         self,
         prompt_tokens: int,
@@ -94,18 +124,12 @@ class Metrics:
         finish_reason: str,
         queue_time: float | None = None,
     ) -> None:
-        """One finished request: `token_times` are the arrival times of each output token."""
-        m = self.model_name
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(len(token_times))
-        self.success.labels(m, finish_reason).inc()
-        self.e2e.labels(m).observe(max(0.0, finished - arrival))
+        """A whole request at once: `token_times` are the arrival times of each output token."""
         if token_times:
-            self.ttft.labels(m).observe(max(0.0, token_times[0] - arrival))
+            self.observe_first_token(token_times[0] - arrival, queue_time)
             for a, b in zip(token_times, token_times[1:], strict=False):
-                self.itl.labels(m).observe(max(0.0, b - a))
-        if queue_time is not None:
-            self.queue_time.labels(m).observe(max(0.0, queue_time))
+                self.observe_inter_token(b - a)
+        self.observe_finish(prompt_tokens, len(token_times), finished - arrival, finish_reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
-"""OpenAI API request and response models (completions and chat completions).
+"""OpenAI API request and response models (completions, chat completions, tokenize).
 
 Requests reject NaN and infinities, out-of-range sampling values and unknown
 content part types at parse time; checks that need the engine (context length,
 vocabulary) live in `inputs.py`. Unknown request fields are ignored, as the
-OpenAI clients send some (`user`, ...) that change nothing here.
+OpenAI clients send some (`user`, ...) that change nothing here. Integers are
+bounded so that every accepted value fits the engine's 64-bit fields.
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_N = 128
+MAX_LOGPROBS = 20
 
 # ---------------------------------------------------------------- requests
 
@@ -22,32 +35,62 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Request):
     """Fields shared by both endpoints; `None` means "the default"."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=1e4)
     skip_special_tokens: bool = True
-    # Subway extras for the scheduler's policies.
-    priority: int = 0
+    logit_bias: dict[str, float] | None = None
+    # Subway extras: the scheduler's policies, and a per-request time limit.
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     slo_ttft_ms: float | None = Field(None, gt=0.0)
     slo_class: Literal["interactive", "batch"] = "interactive"
+    timeout: float | None = Field(None, gt=0.0, le=1e6)  # seconds; then finish_reason "abort"
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > 64:
+            raise ValueError("at most 64 stop strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _few_stop_ids(cls, v):
+        if v is not None and len(v) > 1024:
+            raise ValueError("at most 1024 stop token ids")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -60,16 +103,29 @@ class SamplingRequest(_Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 is allowed with `echo`: the prompt (and its logprobs) without generating.
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and len(v) > 1024 and not isinstance(v[0], int):
+            raise ValueError("at most 1024 prompts in a batch")
         return v
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n when given")
+        return self
 
 
 class ContentPart(_Request):
@@ -97,16 +153,46 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a last message from the assistant")
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """`/tokenize`: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------- responses
@@ -168,7 +254,6 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -190,7 +275,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -220,7 +304,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -232,7 +315,21 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ModelCard(BaseModel):

@@ -1,31 +1,48 @@
 """The frontend process: an OpenAI-compatible HTTP server in front of the engine client.
 
 `build_app` makes the FastAPI app from a config, an `EngineClient` and a
-tokenizer (nothing global); the app starts and closes the client in its
-lifespan, so the client's sockets live on the server's event loop.
+tokenizer (nothing global); the app starts and closes the client (and the
+native ZMQ endpoint) in its lifespan, so their sockets live on the server's
+event loop. `GuardMiddleware` wraps it all (API key, size limits, access log).
 `run_frontend` is the process main.
+
+Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`,
+`/detokenize`, `/version`, `/health`, `/metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import signal
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from subway import __version__
 from subway.frontend.chat import create_chat_completion
 from subway.frontend.completions import create_completion
 from subway.frontend.engine_client import EngineClient
-from subway.frontend.errors import APIError
+from subway.frontend.errors import APIError, from_validation_error
+from subway.frontend.inputs import chat_prompt, check_token_ids, encode
 from subway.frontend.metrics import Metrics
-from subway.frontend.protocol import ModelCard, ModelList
-from subway.frontend.serving import ServingContext
+from subway.frontend.middleware import MAX_BODY_BYTES, MAX_HEADER_BYTES, GuardMiddleware
+from subway.frontend.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from subway.frontend.serving import ServingContext, check_model, parse
+from subway.frontend.zmq_endpoint import ClientEndpoint, client_address
 from subway.ipc.config import EngineConfig
 from subway.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -41,24 +58,44 @@ def load_tokenizer(config: EngineConfig):
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_app(config: EngineConfig, engine: EngineClient, tokenizer=None) -> FastAPI:
+def build_app(
+    config: EngineConfig,
+    engine: EngineClient,
+    tokenizer=None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> FastAPI:
     """The HTTP app. `tokenizer` defaults to the one `config` names."""
     if not config.served_model_name:  # no --model: the default model
         config = config.replace(served_model_name=DEFAULT_MODEL_NAME)
     metrics = Metrics(config.served_model_name)
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)
+    address = client_address(config)
+    endpoint = ClientEndpoint(ctx, address) if address else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         try:
+            if endpoint is not None:
+                await endpoint.start()
             yield
         finally:
+            if endpoint is not None:
+                await endpoint.aclose()
             await engine.aclose()
 
-    app = FastAPI(title="Subway", lifespan=lifespan)
+    app = FastAPI(title="Subway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    app.state.client_address = address
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=max_body_bytes,
+        max_header_bytes=max_header_bytes,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -72,14 +109,10 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer=None) -> Fas
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return APIError(e.status_code, str(e.detail)).response()
 
-    def authorize(request: Request) -> None:
-        """A dependency, not a middleware: BaseHTTPMiddleware gets in the way of streaming."""
-        if config.api_key:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                raise APIError(401, "invalid or missing API key")
-
-    v1 = [Depends(authorize)]
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -94,25 +127,56 @@ def build_app(config: EngineConfig, engine: EngineClient, tokenizer=None) -> Fas
             metrics.observe_stats(engine.stats)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/v1/models")
     async def models() -> ModelList:
         max_len = engine.info.max_model_len if engine.info else None
         return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=max_len)])
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await create_completion(request, ctx)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        req = parse(TokenizeRequest, await request.body())
+        check_model(req, config)
+        limits = ctx.limits()
+        if req.messages is not None:
+            try:
+                chat = ChatCompletionRequest(
+                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except ValidationError as e:
+                raise from_validation_error(e) from e
+            ids = chat_prompt(chat, tok, limits, check_length=False).ids
+        else:
+            ids = encode(tok, req.prompt, req.add_special_tokens, "prompt")
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        req = parse(DetokenizeRequest, await request.body())
+        check_model(req, config)
+        check_token_ids(req.tokens, ctx.limits(), "tokens")
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
 
     return app
 
 
 def run_frontend(config: EngineConfig) -> int:
     """The frontend process: serve until SIGTERM/SIGINT (graceful), then clean up. Returns the exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = load_tokenizer(config)
     engine = EngineClient(config)
     app = build_app(config, engine, tokenizer)
@@ -122,7 +186,10 @@ def run_frontend(config: EngineConfig) -> int:
             host=config.host,
             port=config.port,
             loop="uvloop",
+            http="h11",
+            h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES,
             log_level="warning",
+            access_log=False,
             timeout_graceful_shutdown=max(1, int(config.shutdown_timeout)),
         )
     )

@@ -10,9 +10,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from subway.frontend.engine_client import EngineClient, EngineDeadError
+from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.generation import GenerationError, TokenLogprob
+from subway.frontend.generation import AccessRecord, GenerationError, TokenLogprob
 from subway.frontend.inputs import Limits
 from subway.frontend.metrics import Metrics
 from subway.frontend.protocol import (
@@ -43,6 +43,24 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def timeout(self, requested: float | None) -> float | None:
+        """The request's time limit: its own `timeout`, at most the server's (0: none)."""
+        server = self.config.request_timeout or None
+        if requested is None:
+            return server
+        return min(requested, server) if server else requested
+
+
+def access_record(request, request_id: str, prompt_tokens: int) -> AccessRecord:
+    """The access-log record of this HTTP request (the middleware logs it when it ends)."""
+    record = request.scope.get("subway.access")
+    if not isinstance(record, AccessRecord):
+        record = AccessRecord()
+        request.scope["subway.access"] = record
+    record.request_id = request_id
+    record.prompt_tokens = prompt_tokens
+    return record
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -52,14 +70,33 @@ def parse(model: type[R], body: bytes) -> R:
     """Parse a JSON body; anything wrong is a 400 (json.loads first: pydantic takes NaN literals)."""
     try:
         data = json.loads(body, parse_constant=_reject_constant)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_text(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
+
+
+def _check_text(obj, depth: int = 0) -> None:
+    """Reject what JSON allows but text cannot be: lone UTF-16 surrogates (`"\\ud800"`)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, "the request holds a string that is not valid Unicode") from e
+    elif depth > 64:
+        raise APIError(400, "the request body is nested too deeply")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_text(k, depth + 1)
+            _check_text(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_text(v, depth + 1)
 
 
 def _reject_constant(name: str) -> float:
@@ -72,6 +109,10 @@ def check_model(req: SamplingRequest, config: EngineConfig) -> None:
 
 
 def engine_failure(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine cannot serve: {e}")
     if isinstance(e, GenerationError):
@@ -94,28 +135,38 @@ async def sse_error(e: Exception) -> AsyncIterator[str]:
 def completion_logprobs(
     ctx: ServingContext, lps: list[TokenLogprob], offset: int
 ) -> CompletionLogprobs:
-    """Legacy completions logprobs; `offset`: where these tokens' text starts in the choice."""
+    """Legacy completions logprobs; `offset`: where these tokens' text starts in the choice.
+
+    As OpenAI's (and vLLM's): `top_logprobs` holds the top alternatives and the
+    chosen token; a token without a logprob (a prompt's first) has None for both.
+    """
     out = CompletionLogprobs()
     for lp in lps:
         token = ctx.token_text(lp.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
+        if lp.logprob is None or lp.top is None:
+            out.top_logprobs.append(None)
+        else:
+            top = {ctx.token_text(t): v for t, v in lp.top}
+            top.setdefault(token, lp.logprob)
+            out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
     return out
 
 
 def chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> ChatLogprobs:
-    def top(token_id: int, logprob: float) -> TopLogprob:
+    def top(token_id: int, logprob: float | None) -> TopLogprob:
         token = ctx.token_text(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        value = -9999.0 if logprob is None else logprob
+        return TopLogprob(token=token, logprob=value, bytes=list(token.encode()))
 
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(
                 **top(lp.token_id, lp.logprob).model_dump(),
-                top_logprobs=[top(t, v) for t, v in lp.top],
+                top_logprobs=[top(t, v) for t, v in (lp.top or [])],
             )
             for lp in lps
         ]

@@ -43,6 +43,9 @@ class EngineConfig:
     port: int = 8000
     api_key: str = ""
     max_waiting: int = 0  # 0: unbounded
+    request_timeout: float = 0.0  # seconds a generation request may run; 0: no limit
+    # The frontend's native ZMQ endpoint: "" means ipc://{run_dir}/client.sock, "off" none.
+    client_addr: str = ""
     threads: int = 0  # torch threads per worker; 0: torch's default
     shutdown_timeout: float = 5.0
     # Where the processes meet: ipc:// sockets live in run_dir on one host.

@@ -46,6 +46,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs per sampled token; None: off
+    # Number of top logprobs per prompt position (prefill); None: off. The worker
+    # then also returns the logprob of every prompt token but the first.
+    prompt_logprobs: int | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Logprobs of prompt tokens 1..n-1, each given the tokens before it (prefill positions).
+
+    `logprobs[j]` is the logprob of prompt token j+1; `top_ids[j]`/`top_logprobs[j]` the
+    top alternatives at that position. An entry is NaN where the worker did not compute
+    the position (a prefix it found in the cache).
+    """
+
+    logprobs: list[float]
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 # ---------------------------------------------------------------- frontend -> scheduler
@@ -100,6 +116,8 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     top_logprobs: list[list[float]] | None = None
     forward_time: float = 0.0  # seconds the worker spent on the step
     idle_time: float = 0.0  # seconds the worker waited for this plan after the previous step
+    # Per sampled sequence, on its first sampled token when SamplingParams.prompt_logprobs asked.
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -180,6 +198,10 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # On a request's first delta: its prompt's logprobs, when SamplingParams.prompt_logprobs asked.
+    prompt_logprobs: PromptLogprobs | None = None
+    # On a request's first delta: seconds from arrival to its first scheduled step, if known.
+    queue_time: float | None = None
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True):

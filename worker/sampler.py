@@ -1,22 +1,44 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
 
-A seeded request draws its noise from a generator seeded by (seed, number of
-tokens generated so far), so its tokens do not depend on what else is in the
-batch, nor on whether it was preempted and recomputed. Unseeded requests share
-one generator. Sampling is the exponential race (`argmax(p / E)`, `E ~ Exp(1)`),
-which draws exactly from `p` with one noise tensor per row.
+Every step works on the whole batch at once: per-row parameters become
+columns (one tensor each) and no torch operation runs per row. A batch that is
+all greedy without penalties takes a fast path (an argmax). Sampling is the
+exponential race (`argmax(p / E)`, `E ~ Exp(1)`), which draws exactly from `p`
+with one noise tensor per row.
+
+A seeded request's noise is a counter-based hash of (seed, number of tokens
+generated so far, vocabulary index) computed on the device: its tokens do not
+depend on what else is in the batch, nor on whether it was preempted and
+recomputed. Unseeded requests share one generator.
+
+Logprobs are those of the raw logits (before penalties, temperature and
+truncation), as vLLM reports them by default; prompt logprobs likewise.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from subway.ipc.messages import SamplingParams
 
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_STREAM = _i64(0xD1B54A32D192ED03)  # a second odd constant: spreads vocabulary indices
 
 
 @dataclass
@@ -38,11 +60,37 @@ class SamplerOutput:
 
 
 def seed_for(seed: int, num_generated: int) -> int:
-    """A well-mixed 64-bit generator seed for token `num_generated` of a request (splitmix64)."""
+    """A well-mixed 64-bit seed for token `num_generated` of a request (splitmix64).
+
+    The same function as the device-side `_mix64(seed * GOLDEN + num_generated + 1)`."""
     z = (seed * 0x9E3779B97F4A7C15 + num_generated + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps, as uint64 would)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def seeded_exponential(
+    seeds: torch.Tensor, counters: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Exp(1) noise `[rows, vocab]`, each row a pure function of (seed, counter): batch-free."""
+    keys = _mix64(seeds * _GOLDEN + counters + 1)  # [rows]
+    cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _STREAM
+    bits = _mix64(keys[:, None] ^ cols[None, :])
+    # 24 high bits -> a uniform in (0, 1), exact in float32, never 0.
+    u = (_shr(bits, 40).to(dtype) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
 
 
 def is_greedy(p: SamplingParams) -> bool:
@@ -61,13 +109,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         params = [r.params for r in rows]
-        want_logprobs = any(p.logprobs is not None for p in params)
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
-        if all(is_greedy(p) for p in params) and not penalised and not want_logprobs:
-            return SamplerOutput(tokens=logits.argmax(dim=-1))
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(greedy) and not penalised:  # the fast path
+            tokens = logits.argmax(dim=-1)
+            out = SamplerOutput(tokens=tokens)
+            if want_logprobs:
+                self._logprobs(logits.float(), tokens, params, out)
+            return out
         raw = logits.float()
         scores = self._apply_penalties(raw, rows, penalised) if penalised else raw
-        tokens = self._sample(scores, rows)
+        tokens = self._sample(scores, rows, params, greedy)
         out = SamplerOutput(tokens=tokens)
         if want_logprobs:
             self._logprobs(raw, tokens, params, out)
@@ -75,14 +128,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ pieces
 
-    def _sample(self, scores: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        params = [r.params for r in rows]
-        greedy = torch.tensor([is_greedy(p) for p in params], device=scores.device)
+    def _sample(
+        self,
+        scores: torch.Tensor,
+        rows: list[SampleRequest],
+        params: list[SamplingParams],
+        greedy_list: list[bool],
+    ) -> torch.Tensor:
+        dev = scores.device
         argmax = scores.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(greedy_list):
             return argmax
+        greedy = torch.tensor(greedy_list, device=dev)
         temps = torch.tensor(
-            [1.0 if is_greedy(p) else p.temperature for p in params], device=scores.device
+            [1.0 if g else p.temperature for g, p in zip(greedy_list, params, strict=True)],
+            device=dev,
         )
         scores = scores / temps[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -92,45 +152,77 @@ class Sampler:
             scores = scores.scatter(1, idx, _top_k_top_p(sorted_scores, params))
         probs = scores.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=scores.device)
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
             cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             probs = probs.masked_fill(probs < cutoff, 0.0)
-        choice = (probs / self._noise(probs, rows)).argmax(dim=-1)
+        choice = (probs / self._noise(probs, rows, params, greedy_list)).argmax(dim=-1)
         return torch.where(greedy, argmax, choice)
 
-    def _noise(self, probs: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        """Exp(1) noise, `[rows, vocab]`: seeded rows from their own generator, others shared."""
+    def _noise(
+        self,
+        probs: torch.Tensor,
+        rows: list[SampleRequest],
+        params: list[SamplingParams],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        """Exp(1) noise, `[rows, vocab]`: seeded rows from their hash, the others shared."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None and not is_greedy(r.params):
-                g = torch.Generator(device=probs.device)
-                g.manual_seed(seed_for(r.params.seed, r.num_generated))
-                noise[i].exponential_(generator=g)
+        seeded = [
+            i
+            for i, (p, g) in enumerate(zip(params, greedy, strict=True))
+            if p.seed is not None and not g
+        ]
+        if seeded:
+            dev = probs.device
+            seeds = torch.tensor([_i64(params[i].seed) for i in seeded], device=dev)
+            counters = torch.tensor([rows[i].num_generated for i in seeded], device=dev)
+            which = torch.tensor(seeded, device=dev)
+            own = seeded_exponential(seeds, counters, probs.shape[1], probs.dtype)
+            noise = noise.index_copy(0, which, own)
         return noise
 
     @staticmethod
     def _apply_penalties(
         scores: torch.Tensor, rows: list[SampleRequest], which: list[int]
     ) -> torch.Tensor:
-        """vLLM's semantics: repetition over prompt and output, presence/frequency over output."""
-        scores = scores.clone()
+        """vLLM's semantics: repetition over prompt and output, presence/frequency over output.
+
+        All penalised rows at once: their tokens go in one flat tensor with row indices."""
+        dev = scores.device
         vocab = scores.shape[1]
-        for i in which:
-            r, p = rows[i], rows[i].params
-            ids = torch.tensor(r.tokens, dtype=torch.int64, device=scores.device)
-            row = scores[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
-                seen[ids] = True
-                penalised = torch.where(
-                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
-                )
-                row = torch.where(seen, penalised, row)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                counts = torch.bincount(ids[r.prompt_len :], minlength=vocab).to(row.dtype)
-                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-            scores[i] = row
-        return scores
+        sub = [rows[i] for i in which]
+        lengths = np.fromiter((len(r.tokens) for r in sub), dtype=np.int64, count=len(sub))
+        total = int(lengths.sum())
+        flat = np.fromiter(
+            itertools.chain.from_iterable(r.tokens for r in sub), dtype=np.int64, count=total
+        )
+        starts = np.cumsum(lengths) - lengths
+        prompt_lens = np.fromiter((r.prompt_len for r in sub), dtype=np.int64, count=len(sub))
+        row_of = np.repeat(np.arange(len(sub)), lengths)
+        is_output = (np.arange(total) - np.repeat(starts, lengths)) >= np.repeat(
+            prompt_lens, lengths
+        )
+        ids = torch.from_numpy(flat).to(dev)
+        row_t = torch.from_numpy(row_of).to(dev)
+        out_t = torch.from_numpy(is_output).to(dev)
+        params = [r.params for r in sub]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        idx = torch.tensor(which, device=dev)
+
+        seen = torch.zeros(len(sub), vocab, dtype=torch.bool, device=dev)
+        seen[row_t, ids] = True
+        counts = torch.zeros(len(sub), vocab, dtype=scores.dtype, device=dev)
+        counts.index_put_(
+            (row_t[out_t], ids[out_t]),
+            torch.ones(int(out_t.sum()), dtype=scores.dtype, device=dev),
+            accumulate=True,
+        )
+        s = scores.index_select(0, idx)
+        s = torch.where(seen, torch.where(s > 0, s / rep, s * rep), s)
+        s = s - freq * counts - pres * (counts > 0).to(s.dtype)
+        return scores.index_copy(0, idx, s)
 
     @staticmethod
     def _logprobs(
@@ -150,6 +242,19 @@ class Sampler:
         out.top_logprobs = [row[: p.logprobs or 0] for row, p in zip(values, params, strict=True)]
 
 
+def prompt_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Logprob of each target (the next prompt token) under its position's raw logits,
+    with the top `k` alternatives: `logits [P, vocab]`, `targets [P]`."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    if k <= 0:
+        return chosen, [[] for _ in chosen], [[] for _ in chosen]
+    values, ids = lp.topk(k, dim=-1)
+    return chosen, ids.tolist(), values.tolist()
+
+
 def _top_k_top_p(sorted_scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) the sorted scores outside each row's top-k and nucleus top-p."""
     vocab = sorted_scores.shape[1]
@@ -158,8 +263,8 @@ def _top_k_top_p(sorted_scores: torch.Tensor, params: list[SamplingParams]) -> t
         [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=sorted_scores.device
     )
     sorted_scores = sorted_scores.masked_fill(rank >= k[:, None], float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=sorted_scores.device)
-    if bool((top_p < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):  # decided on the host: no device sync
+        top_p = torch.tensor([p.top_p for p in params], device=sorted_scores.device)
         probs = sorted_scores.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
         outside = (before >= top_p[:, None]) & (rank > 0)

@@ -1,0 +1,425 @@
+"""Python clients for a running Subway: native ZMQ (blocking and asyncio), and HTTP.
+
+The native endpoint skips HTTP and JSON: one DEALER socket to the frontend's
+ROUTER (`ipc://{run_dir}/client.sock` by default, see `subway.frontend.zmq_endpoint`),
+MessagePack frames, many requests in flight on one connection.
+
+    from subway.frontend.client import Client
+    with Client("ipc:///tmp/subway-RUNID/client.sock") as client:
+        for out in client.stream("The capital of France is", max_tokens=16, temperature=0):
+            print(out.text, end="", flush=True)
+
+`params` are the fields of an OpenAI completions request (`max_tokens`,
+`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`,
+`ignore_eos`, penalties, `logprobs`, `timeout`, ...). A prompt is text or a
+list of token ids. Leaving a stream early aborts its request; so does
+`abort(request_id)` and closing the client. A refused or failed request raises
+`RequestError` (with an HTTP-like `status`: 400, 401, 429, 503, ...).
+
+`Client` is not thread-safe: use one per thread, or `AsyncClient` on an event
+loop. `HTTPClient` is a small helper over the OpenAI-compatible HTTP API.
+
+This module imports only msgspec, pyzmq and (for `HTTPClient`) httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from subway.frontend.client_protocol import (
+    AbortGenerate,
+    FromFrontendEndpoint,
+    GenerateError,
+    GenerateOutput,
+    GenerateRequest,
+)
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "GenerateOutput",
+    "HTTPClient",
+    "RequestError",
+]
+
+
+class RequestError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Completion:
+    """A finished request: all its text and tokens."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    logprobs: list[float] | None = None
+
+    def add(self, out: GenerateOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.prompt_tokens = self.prompt_tokens or out.prompt_tokens
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+
+def _request(
+    request_id: str | None, prompt: str | list[int], params: dict[str, Any], api_key: str
+) -> GenerateRequest:
+    rid = request_id or uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return GenerateRequest(rid, prompt=prompt, params=params, api_key=api_key)
+    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=params, api_key=api_key)
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromFrontendEndpoint)
+
+
+# ---------------------------------------------------------------- blocking
+
+
+class Client:
+    """A blocking client for the native ZMQ endpoint.
+
+    `timeout`: seconds to wait for the next answer before TimeoutError (None: forever).
+    """
+
+    def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._decoder = _decoder()
+        self._inbox: dict[str, collections.deque] = {}
+        self._open: set[str] = set()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort what is in flight and close the socket. Idempotent."""
+        if self._sock.closed:
+            return
+        for rid in list(self._open):
+            self.abort(rid)
+        self._sock.close(linger=200)  # time for the aborts to leave
+        self._ctx.term()
+
+    def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
+        """Send a request; read its outputs with `outputs(request_id)`. Returns its id."""
+        req = _request(request_id, prompt, params, self.api_key)
+        if req.request_id in self._open:
+            raise ValueError(f"request id {req.request_id!r} is in flight")
+        self._open.add(req.request_id)
+        self._inbox[req.request_id] = collections.deque()
+        self._sock.send(_encoder.encode(req))
+        return req.request_id
+
+    def outputs(self, request_id: str) -> Iterator[GenerateOutput]:
+        """A submitted request's outputs, up to the one with a finish_reason.
+
+        Leaving the loop early aborts the request."""
+        finished = False
+        try:
+            while True:
+                out = self._next(request_id)
+                if isinstance(out, GenerateError):
+                    finished = True
+                    raise RequestError(out.status, out.message)
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._forget(request_id)
+
+    def stream(self, prompt: str | list[int], **params) -> Iterator[GenerateOutput]:
+        """Submit and stream: each output has the new `token_ids` and `text`."""
+        return self.outputs(self.submit(prompt, **params))
+
+    def generate(self, prompt: str | list[int], **params) -> Completion:
+        """Submit and wait for the whole answer."""
+        done = Completion()
+        for out in self.stream(prompt, **params):
+            done.add(out)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._open and not self._sock.closed:
+            self._sock.send(_encoder.encode(AbortGenerate(request_id)))
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        self._inbox.pop(request_id, None)
+
+    def _next(self, request_id: str) -> GenerateOutput | GenerateError:
+        box = self._inbox.get(request_id)
+        if box is None:
+            raise KeyError(f"no request {request_id!r} in flight")
+        while not box:
+            timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
+            if not self._sock.poll(timeout_ms):
+                raise TimeoutError(f"no answer from {self.address} in {self.timeout} s")
+            msg = self._decoder.decode(self._sock.recv())
+            other = self._inbox.get(msg.request_id)
+            if other is not None:  # answers for other requests wait in their inbox
+                other.append(msg)
+        return box.popleft()
+
+
+# ---------------------------------------------------------------- asyncio
+
+
+class AsyncClient:
+    """An asyncio client for the native ZMQ endpoint; use it from one event loop."""
+
+    def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._decoder = _decoder()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._sock.closed:
+            return
+        for rid in list(self._queues):
+            self.abort(rid)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await asyncio.sleep(0.05)  # let the aborts leave
+        self._sock.close(linger=200)
+        self._ctx.term()
+
+    def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
+        req = _request(request_id, prompt, params, self.api_key)
+        if req.request_id in self._queues:
+            raise ValueError(f"request id {req.request_id!r} is in flight")
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_loop(), name="subway-client-reader")
+        self._queues[req.request_id] = asyncio.Queue()
+        self._sock.send(_encoder.encode(req))
+        return req.request_id
+
+    async def outputs(self, request_id: str) -> AsyncIterator[GenerateOutput]:
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"no request {request_id!r} in flight")
+        finished = False
+        try:
+            while True:
+                if self.timeout is None:
+                    out = await queue.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(queue.get(), self.timeout)
+                    except TimeoutError:
+                        raise TimeoutError(
+                            f"no answer from {self.address} in {self.timeout} s"
+                        ) from None
+                if isinstance(out, BaseException):
+                    raise out
+                if isinstance(out, GenerateError):
+                    finished = True
+                    raise RequestError(out.status, out.message)
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._queues.pop(request_id, None)
+
+    def stream(self, prompt: str | list[int], **params) -> AsyncIterator[GenerateOutput]:
+        return self.outputs(self.submit(prompt, **params))
+
+    async def generate(self, prompt: str | list[int], **params) -> Completion:
+        done = Completion()
+        async with contextlib.aclosing(self.stream(prompt, **params)) as outs:
+            async for out in outs:
+                done.add(out)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None and not self._sock.closed:
+            self._sock.send(_encoder.encode(AbortGenerate(request_id)), zmq.NOBLOCK)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self._decoder.decode(await self._sock.recv())
+                queue = self._queues.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the socket closed under us, say: fail what waits
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+class HTTPClient:
+    """A small helper over the HTTP API (the `openai` package is the full-featured one).
+
+    from subway.frontend.client import HTTPClient
+    http = HTTPClient("http://127.0.0.1:8000")
+    print(http.complete("The capital of France is", max_tokens=8)["choices"][0]["text"])
+    for piece in http.stream("Once upon a time", max_tokens=32):
+        print(piece, end="", flush=True)
+    """
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        api_key: str = "",
+        model: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._model = model
+
+    def __enter__(self) -> HTTPClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self._get("/v1/models")["data"][0]["id"]
+        return self._model
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health").status_code == 200
+        except Exception:
+            return False
+
+    def complete(self, prompt: str | list[int] | list, **params) -> dict:
+        """POST /v1/completions; the response as a dict."""
+        return self._post("/v1/completions", {"model": self.model, "prompt": prompt, **params})
+
+    def chat(self, messages: list[dict], **params) -> dict:
+        return self._post(
+            "/v1/chat/completions", {"model": self.model, "messages": messages, **params}
+        )
+
+    def stream(self, prompt: str | list[int], **params) -> Iterator[str]:
+        """Text pieces of a streamed completion."""
+        body = {"model": self.model, "prompt": prompt, **params, "stream": True}
+        for event in self._events("/v1/completions", body):
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    yield choice["text"]
+
+    def chat_stream(self, messages: list[dict], **params) -> Iterator[str]:
+        body = {"model": self.model, "messages": messages, **params, "stream": True}
+        for event in self._events("/v1/chat/completions", body):
+            for choice in event.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    yield content
+
+    def tokenize(self, prompt: str, **params) -> list[int]:
+        return self._post("/tokenize", {"prompt": prompt, **params})["tokens"]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._post("/detokenize", {"tokens": tokens})["prompt"]
+
+    def metrics(self) -> str:
+        r = self._http.get("/metrics")
+        _raise_for(r.status_code, r.text)
+        return r.text
+
+    def _get(self, path: str) -> dict:
+        r = self._http.get(path)
+        _raise_for(r.status_code, r.text)
+        return r.json()
+
+    def _post(self, path: str, body: dict) -> dict:
+        r = self._http.post(path, json=body)
+        _raise_for(r.status_code, r.text)
+        return r.json()
+
+    def _events(self, path: str, body: dict) -> Iterator[dict]:
+        with self._http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                _raise_for(r.status_code, r.text)
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    err = event["error"]
+                    raise RequestError(int(err.get("code") or 500), err.get("message", ""))
+                yield event
+
+
+def _raise_for(status: int, text: str) -> None:
+    if status < 400:
+        return
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text
+    raise RequestError(status, message)

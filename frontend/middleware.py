@@ -1,0 +1,170 @@
+"""The frontend's guard at the door: API key, size limits, access log. Pure ASGI.
+
+A plain ASGI wrapper rather than Starlette's BaseHTTPMiddleware, which gets in
+the way of streaming responses and of disconnect detection. In order:
+
+- headers larger than `max_header_bytes` in all: 431;
+- with an API key, every route but `/health` wants `Authorization: Bearer KEY`,
+  compared in constant time: 401 otherwise (unknown routes included, so that
+  they reveal nothing);
+- a body larger than `max_body_bytes` (by Content-Length, or counted as it
+  arrives): 413. A declared oversize body is read and dropped first (up to a
+  bound) so that the client, still sending, sees the answer;
+- one structured access-log line per request, on logger `subway.access`:
+  method, path, status, id, prompt and output tokens, TTFT, latency, finish
+  reasons (JSON). `/health` and `/metrics` log at DEBUG, the rest at INFO.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+
+from subway.frontend.errors import APIError
+from subway.frontend.generation import AccessRecord
+
+access_log = logging.getLogger("subway.access")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_HEADER_BYTES = 16 * 1024
+DRAIN_LIMIT = 64 * 1024 * 1024  # a declared oversize body is drained up to this, then cut
+QUIET_PATHS = ("/health", "/metrics")
+
+
+class GuardMiddleware:
+    def __init__(
+        self,
+        app,
+        api_key: str = "",
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body = max_body_bytes
+        self.max_headers = max_header_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.time()
+        record = AccessRecord()
+        scope["subway.access"] = record
+        status = {"code": 0}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._check(scope)
+            if error is None:
+                length = _content_length(scope)
+                if length is not None and length > self.max_body:
+                    await _drain(receive, min(length, DRAIN_LIMIT))
+                    error = APIError(413, f"the request body is larger than {self.max_body} bytes")
+            if error is not None:
+                await _send_error(send_wrapper, error)
+                return
+            await self.app(scope, self._limited(receive), send_wrapper)
+        except Exception:
+            status["code"] = status["code"] or 500  # the server's error handler answers
+            raise
+        finally:
+            self._log(scope, status["code"], record, start)
+
+    def _check(self, scope) -> APIError | None:
+        headers = scope.get("headers") or []
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_headers:
+            return APIError(431, f"the request headers are larger than {self.max_headers} bytes")
+        if self.expected is not None and scope.get("path") != "/health":
+            given = b""
+            for k, v in headers:
+                if k == b"authorization":
+                    given = v
+                    break
+            if not hmac.compare_digest(given, self.expected):
+                return APIError(
+                    401,
+                    "invalid or missing API key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return None
+
+    def _limited(self, receive):
+        seen = 0
+        limit = self.max_body
+
+        async def wrapped():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # the app's handler for APIError answers
+                    raise APIError(413, f"the request body is larger than {limit} bytes")
+            return message
+
+        return wrapped
+
+    @staticmethod
+    def _log(scope, status: int, record: AccessRecord, start: float) -> None:
+        path = scope.get("path", "")
+        level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+        if not access_log.isEnabledFor(level):
+            return
+        now = time.time()
+        line = {
+            "method": scope.get("method"),
+            "path": path,
+            "status": status or 499,
+            "client": (scope.get("client") or ("", 0))[0],
+            "latency_s": round(now - start, 6),
+        }
+        if record.request_id:
+            ttft = None if record.first_token_at is None else record.first_token_at - start
+            line.update(
+                id=record.request_id,
+                prompt_tokens=record.prompt_tokens,
+                output_tokens=record.output_tokens,
+                ttft_s=None if ttft is None else round(ttft, 6),
+                finish_reason=(
+                    record.finish_reasons[0]
+                    if len(set(record.finish_reasons)) == 1
+                    else record.finish_reasons or None
+                ),
+            )
+        access_log.log(level, json.dumps(line, separators=(",", ":")))
+
+
+def _content_length(scope) -> int | None:
+    for k, v in scope.get("headers") or []:
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+async def _drain(receive, limit: int) -> None:
+    seen = 0
+    while seen < limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def _send_error(send, error: APIError) -> None:
+    body = error.json_bytes()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for k, v in (error.headers or {}).items():
+        headers.append((k.lower().encode(), v.encode()))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
