@@ -39,6 +39,7 @@ class EngineConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     overlap: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""

@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default="")
     g.add_argument("--max-waiting", type=int, default=0)
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout)
+    g.add_argument("--request-timeout", type=float, default=0.0, help="seconds; 0: no limit")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g = p.add_argument_group("process addresses (several hosts)")
     g.add_argument("--run-id", default="", help="names this engine's sockets and shm buffers")
     g.add_argument("--run-dir", default="")
@@ -49,6 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-addr", default="")
     g.add_argument("--plan-addr", default="")
     g.add_argument("--result-addr", default="")
+    g.add_argument("--client-addr", default="", help='native ZMQ client endpoint; "off": none')
     g.add_argument("--dist-init-addr", default="127.0.0.1:29533")
     g.add_argument("--no-shm", action="store_true", help="send token ids inline (several hosts)")
     p.add_argument("--config-json", default="", help=argparse.SUPPRESS)
@@ -82,6 +85,9 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_waiting=a.max_waiting,
         threads=a.threads,
         shutdown_timeout=a.shutdown_timeout,
+        request_timeout=a.request_timeout,
+        enforce_eager=a.enforce_eager,
+        client_addr=a.client_addr,
         run_dir=a.run_dir,
         scheduler_addr=a.scheduler_addr,
         frontend_addr=a.frontend_addr,
