@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
@@ -180,6 +181,7 @@ class EngineClient:
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="subway-engine-reader"),
             asyncio.create_task(self._watchdog(), name="subway-engine-watchdog"),
+            asyncio.create_task(self._watch_connection(), name="subway-engine-monitor"),
         ]
 
     async def aclose(self) -> None:
@@ -361,6 +363,30 @@ class EngineClient:
                 log.error("undecodable message from the scheduler: %s", e)
                 continue
             self._handle(msg)
+
+    async def _watch_connection(self) -> None:
+        """Notice at once when the scheduler's connection drops (its process died, say).
+
+        The kernel closes a dead process's sockets, so ZeroMQ reports the
+        disconnect immediately: no heartbeat period to wait out. A scheduler
+        that connects again is greeted, and answers with EngineReady.
+        """
+        assert self._pull is not None
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        monitor = self._pull.get_monitor_socket(events)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED and self.info is not None:
+                    self.error = "the scheduler disconnected"
+                    log.error("engine error: %s", self.error)
+                    self._fail_all(EngineDeadError(self.error))
+                elif event == zmq.EVENT_ACCEPTED and self.error is not None:
+                    self._send(FrontendHello(pid=os.getpid()))
+        finally:
+            if self._pull is not None:
+                self._pull.disable_monitor()
+            monitor.close(linger=0)
 
     async def _watchdog(self) -> None:
         """Fail in-flight requests when a ready scheduler has been silent for `fail_after`."""

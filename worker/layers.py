@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from subway.kernels.ops import rms_norm
+from subway.kernels.dispatch import rms_norm
 from subway.worker.parallel import TensorParallel
 
 

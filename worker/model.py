@@ -13,8 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from subway.kernels.attention import AttentionMetadata, paged_attention, write_kv
-from subway.kernels.ops import apply_rope, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from subway.kernels.attention import AttentionMetadata
+from subway.kernels.dispatch import apply_rope, paged_attention, silu_and_mul, write_kv
+from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
 from subway.worker.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -71,6 +72,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     push = connect(ctx, zmq.PUSH, config.result_addr)
     runner: ModelRunner | None = None
     sampled: TokenBuffer | None = None
+    monitor: zmq.Socket | None = None
     try:
         world = config.tensor_parallel_size
         if world > 1:
@@ -96,8 +98,18 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             )
         )
         last_sent = time.perf_counter()
+        # The scheduler's death shows as a disconnect at once (the kernel closes its sockets).
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while not stop.requested:
-            if not sub.poll(_POLL_MS):
+            events = dict(poller.poll(_POLL_MS))
+            if monitor in events:
+                monitor.recv_multipart()
+                print(f"subway worker {rank}: the scheduler disconnected; exiting", file=sys.stderr)
+                return 1
+            if sub not in events:
                 continue
             msg = codec_in.decode(sub.recv())
             if isinstance(msg, Shutdown):
@@ -127,6 +139,9 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             runner.close()
         # A short linger so that a final WorkerError still leaves the process.
         push.close(linger=1000)
+        if monitor is not None:
+            sub.disable_monitor()
+            monitor.close(linger=0)
         sub.close()
         ctx.term()
         if torch.distributed.is_initialized():
@@ -152,4 +167,5 @@ def _result(
         logprobs=out.logprobs,
         top_ids=out.top_ids,
         top_logprobs=out.top_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
     )

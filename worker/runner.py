@@ -8,14 +8,16 @@ import numpy as np
 import torch
 
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import Plan, SamplingParams, TokenRef
+from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels.attention import build_metadata, positions_and_slots
+from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.loader import load_weights
 from subway.worker.model import CausalLM
 from subway.worker.model_config import load_model_config, resolve_dtype
 from subway.worker.parallel import TensorParallel
+from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.sampler import Sampler, SampleRequest
 
 
@@ -36,6 +38,7 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # on first samples, when asked
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -74,6 +77,8 @@ class ModelRunner:
             self.dtype, self.device,
         )  # fmt: skip
         self.sampler = Sampler(self.device, config.seed)
+        self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
+        self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}
         self._prompts: TokenBuffer | None = None
 
@@ -113,7 +118,10 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(self.device)
         sample = torch.arange(max(0, n - self.config.max_num_seqs), n, device=self.device)
         hidden = self.model(ids, pos, md, caches, sample)
-        self.model.compute_logits(hidden).float().softmax(-1)
+        # The sampler's worst case too: every row sorted for top-k/top-p, with logprobs.
+        worst = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=5)
+        rows = [SampleRequest(worst, 0, [0], 1)] * len(sample)
+        Sampler(self.device)(self.model.compute_logits(hidden), rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, hidden
@@ -137,12 +145,16 @@ class ModelRunner:
         seqs = self.seqs
         for sid in plan.finished:
             seqs.pop(sid, None)
+        if self.prompt_lps.active:
+            self.prompt_lps.forget(plan.finished)
         for sid in plan.preempted:
             if sid in seqs:
                 seqs[sid].block_table.clear()
         for ns in plan.new_seqs:
             ids = resolve(ns.prompt, self._prompt_buffer(ns.prompt))
             seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling)
+            if self.rank == 0 and ns.sampling.prompt_logprobs is not None:
+                self.prompt_lps.add(ns.seq_id, ns.sampling, len(ids))
         if not plan.seqs:
             return StepOutput([], [])
 
@@ -171,20 +183,37 @@ class ModelRunner:
         for i, st in enumerate(states):
             tables[i, : len(st.block_table)] = st.block_table
         positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
-        md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
         sampling = [i for i, step in enumerate(plan.seqs) if step.sample]
-        sample_idx = np.cumsum(qlens)[sampling] - 1
-
         dev = self.device
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
-            md,
-            self.kv_caches,
-            torch.from_numpy(sample_idx).to(dev),
-        )
-        if not sampling:
-            return StepOutput([], [])
+        graphs = self.graphs
+        plp_idx, plp_slices = None, None  # prompt-logprob rows: rank 0, prefills that asked
+        if self.rank == 0 and self.prompt_lps.active:
+            plp_idx, plp_slices = self.prompt_lps.rows(plan.seqs, qlens)
+        if (
+            graphs is not None
+            and not plp_slices
+            and graphs.fits(qlens, len(sampling), tables.shape[1])
+        ):
+            logits = graphs.run(input_ids, positions, slots, ctx, tables)  # a decode step
+        else:
+            md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
+            sample_idx = np.cumsum(qlens)[sampling] - 1
+            if plp_slices:
+                sample_idx = np.concatenate([sample_idx, plp_idx])
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.from_numpy(positions).to(dev),
+                md,
+                self.kv_caches,
+                torch.from_numpy(sample_idx).to(dev),
+            )
+            if plp_slices:
+                extra = self.model.compute_logits(hidden[len(sampling) :])
+                self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
+                hidden = hidden[: len(sampling)]
+            if not sampling:
+                return StepOutput([], [])
+            logits = None
 
         out = None
         if self.rank == 0:
@@ -193,7 +222,9 @@ class ModelRunner:
                 st = states[i]
                 generated = int(ctx[i]) - st.prompt_len
                 rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
-            out = self.sampler(self.model.compute_logits(hidden), rows)
+            if logits is None:
+                logits = self.model.compute_logits(hidden)
+            out = self.sampler(logits, rows)
             token_tensor = out.tokens
         else:
             token_tensor = torch.empty(len(sampling), dtype=torch.int64, device=dev)
@@ -206,6 +237,8 @@ class ModelRunner:
             result.logprobs, result.top_ids, result.top_logprobs = (
                 out.logprobs, out.top_ids, out.top_logprobs,
             )  # fmt: skip
+            if self.prompt_lps.active:
+                result.prompt_logprobs = self.prompt_lps.emit(result.seq_ids)
         return result
 
 

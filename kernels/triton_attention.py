@@ -1,0 +1,416 @@
+"""Paged attention over a flat mixed batch, and KV cache writes, in Triton.
+
+Same contract as `subway.kernels.attention` (its PyTorch reference): `q [num_tokens,
+num_heads, head_dim]`; sequence `i` owns tokens `query_start_loc[i] :
+query_start_loc[i + 1]`, at positions `context_lens[i] - query_len .. context_lens[i]
+- 1`; its keys and values are in the blocks of row `i` of `block_tables`.
+
+One launch serves the whole batch, prefill chunks and decodes alike. A program
+takes `BLOCK_Q` query tokens of one sequence times the `GROUP` query heads that
+share one KV head (GQA), so that one key tile serves `BLOCK_M = BLOCK_Q * GROUP`
+rows of one `tl.dot`. Programs are numbered per sequence without any host sync:
+sequence `i` owns programs `query_start_loc[i] // BLOCK_Q + i ..`, and a program
+finds its sequence by binary search (as vLLM's unified attention does). The grid
+depends on shapes only, so a decode step can be captured in a CUDA graph.
+
+Keys are walked in tiles of `TILE_N` positions; each position looks up its block
+in the block table, so any block size works. Causal masking is by position, so a
+chunk attends to its cached prefix and causally to itself. Softmax is online
+(flash attention), in float32. For small decode batches the keys of a sequence
+can be split over `num_splits` programs whose partial results are merged by a
+second kernel (flash decoding).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from subway.kernels.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, program: tl.int32, num_seqs: tl.int32, BLOCK_Q: tl.constexpr):
+    """The sequence whose programs include `program`: the last i with qsl[i] // BLOCK_Q + i <= program."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= program:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, H, D], or the split scratch [T, H, S, D] (float32)
+    lse_ptr,  # split scratch [T, H, S, 2] (float32: max, sum); unused without splits
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    scale_log2,  # softmax scale * log2(e)
+    num_seqs,
+    num_heads,
+    num_splits,  # programs per (query block, KV head) along the keys; > 1 only with SPLIT
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # positions per cache block
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,  # HEAD_DIM padded to a power of two (>= 16)
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two (>= 16)
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # write unnormalised partials for _merge_splits_kernel
+    PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" for exact float32)
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = program - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    first_pos = ctx - q_len  # position of the sequence's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP  # query token within the sequence
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    row = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = first_pos + tok
+    # Keys this block of queries can see: up to its last query's position.
+    last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_len = first_pos + last_tok + 1
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        kpos = t * TILE_N + offs_n
+        k_ok = kpos < kv_len
+        blk = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr
+            + blk[None, :] * stride_kb
+            + off[None, :] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_P, TILE_N]
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr
+            + blk[:, None] * stride_vb
+            + off[:, None] * stride_vs
+            + kv_head * stride_vh
+            + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_P]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if not SPLIT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=o_mask,
+        )
+    else:
+        # Unnormalised partials: out [T, H, S, D] and lse [T, H, S, 2], both contiguous.
+        base = (row * num_heads + head) * num_splits + split
+        tl.store(out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_mask)
+        tl.store(lse_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(lse_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_ptr,  # [T, H, S, D] float32
+    lse_ptr,  # [T, H, S, 2] float32
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    base = (t.to(tl.int64) * num_heads + h) * num_splits + offs_s
+    m = tl.load(lse_ptr + base * 2, mask=s_ok, other=float("-inf"))
+    ell = tl.load(lse_ptr + base * 2 + 1, mask=s_ok, other=0.0)
+    # A split past a short sequence's keys saw nothing (l = 0): it gets no weight.
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(s_ok & (ell > 0.0), tl.exp2(m - m_max), 0.0)
+    part = tl.load(
+        part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    num = tl.sum(tl.where(w[:, None] > 0.0, part * w[:, None], 0.0), 0)
+    den = tl.sum(w * tl.where(w > 0.0, ell, 0.0), 0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    tl.store(
+        out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number, so that the split path is testable
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """How many programs share one decode sequence's keys: enough to fill the device, from shapes only.
+
+    `max_context` is a host-side bound (the table width times the block size),
+    never read from the device.
+    """
+    programs = num_seqs * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= sms or max_context < 512:
+        return 1
+    want = min(-(-2 * sms // programs), max_context // 256, 16)
+    return max(1, want)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out.
+
+    `num_splits` (decode-only batches): None picks from shapes; 1 disables splitting.
+    `out`: where to write (q's shape and dtype, last dim contiguous); new by default.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    num_seqs = md.context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0:
+        return out
+    if md.all_decode:
+        block_m, tile_n = _pow2(group, 16), 64
+        if num_splits is None:
+            width = md.block_tables.shape[1] * block_size
+            num_splits = choose_splits(num_seqs, num_kv_heads, width, q.device)
+    else:
+        block_m, tile_n, num_splits = _pow2(group, 64), 32, 1
+    block_q = block_m // group
+    head_dim_p = _pow2(head_dim, 16)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        part = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(
+            num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device
+        )
+        target, strides = part, (0, 0)  # the split path indexes its scratch itself
+    else:
+        lse = out  # unused
+        target, strides = out, (out.stride(0), out.stride(1))
+    _paged_attention_kernel[grid](
+        target,
+        lse,
+        q,
+        k_cache,
+        v_cache,
+        md.block_tables,
+        md.query_start_loc,
+        md.context_lens,
+        scale * _LOG2E,
+        num_seqs,
+        num_heads,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        strides[0],
+        strides[1],
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        md.block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        SPLIT=num_splits > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            SPLITS_P=_pow2(num_splits, 2),
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding (a CUDA graph's unused rows): write nothing
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_P)[:, None]
+    d = tl.arange(0, HEAD_DIM_P)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots; a negative slot is skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride(-1) == 1
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P=_pow2(num_kv_heads),
+        HEAD_DIM_P=_pow2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
