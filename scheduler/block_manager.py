@@ -1,43 +1,112 @@
-"""The KV block pool: a fixed number of blocks of `block_size` token slots, handed to sequences.
+"""The KV block pool: a fixed number of blocks of `block_size` token slots, shared by ref count.
 
-Each sequence has a block table (a list of block ids, position p lives in
-block `table[p // block_size]`) that grows as its tokens are planned.
-Blocks carry reference counts so that a prefix cache can share full blocks
-between sequences later: a hash chain over full blocks maps to block ids, a
-block whose count drops to 0 but holds a cached prefix goes to an LRU of
-evictable blocks instead of the free list, and `allocate` evicts from that LRU
-when the free list is empty. None of that exists yet; `num_cached_blocks` is 0.
+Each sequence has a block table (a list of block ids; position p lives in
+block `table[p // block_size]`) that grows as its tokens are planned. Every
+block is in exactly one of three states:
+
+- free: holds nothing anyone may ask for (`_free`, FIFO);
+- referenced: in the tables of `ref[b] > 0` sequences;
+- cached and evictable: `ref[b] == 0`, but it holds a full block of KV that the
+  prefix cache can hand out again (`_lru`, least recently freed first).
+  Allocation takes free blocks first and evicts from here only when none is left.
+
+Prefix cache. A *full* block whose KV is computed can be keyed: its key is
+the hash of `(parent, tokens)`, where `tokens` are the block's `block_size`
+token ids and `parent` is the node id of the block before it in the sequence
+(0 for the first block): a hash chain over full blocks. The links are exact:
+a block keeps its parent and tokens, and a hit must match both, so two
+prefixes whose hashes collide never alias (the later one is just not cached);
+and a node id is a counter that is never reused. A block keeps its node id
+while it is cached; when it is evicted its node dies, and blocks keyed under
+it as parent become unreachable (harmless; they go when they are evicted).
+
+Sharing is read-only, so there is no copy-on-write: blocks are append-only, a
+block is keyed only once every slot in it is computed, and a sequence that
+takes a cached prefix writes from the first position after it, into blocks of
+its own. Only full, immutable blocks are ever in two tables; the last, partial
+block of a sequence is always private. (A fully cached prompt recomputes its
+last block, so that the worker has logits to sample from; the scheduler asks
+for at most `(num_tokens - 1) // block_size` blocks.)
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
+from collections.abc import Sequence
+
+_key_hash = hash  # of (parent node, tokens); a module global so that tests can force collisions
+
+TOKEN_TYPE = "i"  # token ids are int32 arrays (the garbage collector does not walk arrays)
+TOKEN_BYTES = array(TOKEN_TYPE).itemsize
+
+
+def token_bytes(prompt: Sequence[int], output: Sequence[int], a: int, b: int) -> bytes:
+    """The raw int32 bytes of tokens `a:b` of `prompt + output` (arrays; lists are converted)."""
+    if type(prompt) is not array:
+        prompt = array(TOKEN_TYPE, prompt)
+    if type(output) is not array:
+        output = array(TOKEN_TYPE, output)
+    n = len(prompt)
+    if b <= n:
+        return prompt[a:b].tobytes()
+    if a >= n:
+        return output[a - n : b - n].tobytes()
+    return prompt[a:].tobytes() + output[: b - n].tobytes()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 0 or block_size <= 0:
             raise ValueError(f"bad pool: {num_blocks} blocks of {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self._free: deque[int] = deque(range(num_blocks))  # FIFO: the oldest freed goes first
-        self._ref = [0] * num_blocks
+        # The evictable blocks, least recently freed first: a queue of `stamp * num_blocks + b`
+        # entries, where an entry is live while `_stamp[b]` is its stamp (0: not evictable).
+        # A hit takes a block out by zeroing its stamp; dead entries are skipped when met and
+        # swept when they outnumber live ones. (An OrderedDict would be simpler, but the
+        # garbage collector walks its nodes on every full collection: milliseconds at 100k.)
+        self._lru: deque[int] = deque()
+        self._stamp = array("q", [0]) * num_blocks
+        self._next_stamp = 1
+        self._num_evictable = 0
+        self.sweep_slack = 1024  # dead LRU entries tolerated beyond the live ones (x2)
+        # Per-block state in arrays: the garbage collector does not walk them.
+        self._ref = array("i", [0]) * num_blocks
         self._tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}  # token slots each sequence has claimed
+        # Token slots each sequence has claimed. Public for one fast path: the scheduler bumps
+        # it in place for a decode whose last block still has room (no allocation needed).
+        self.claimed: dict[int, int] = {}
+        # Prefix cache.
+        self._cache: dict[int, int] = {}  # key hash -> the block cached under it
+        # A block is cached iff it has tokens; then it has a key hash, a parent and a node.
+        self._tokens: list[bytes | None] = [None] * num_blocks  # raw token ids, to check hits
+        self._key = array("q", [0]) * num_blocks
+        self._parent = array("q", [0]) * num_blocks
+        self._node = array("q", [0]) * num_blocks
+        self._next_node = 1  # 0 is the empty prefix
+        # Per sequence: (blocks of its table already keyed or found keyed, node of the last).
+        self._keyed: dict[int, tuple[int, int]] = {}
+        self.num_evictions = 0
 
     # ------------------------------------------------------------ counts
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: free ones and cached ones nobody holds."""
+        return len(self._free) + self._num_evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by live sequences (cached blocks nobody holds do not count)."""
+        return self.num_blocks - len(self._free) - self._num_evictable
 
     @property
     def num_cached_blocks(self) -> int:
-        return 0
+        """Cached blocks nobody holds: evictable, counted in `num_free_blocks`."""
+        return self._num_evictable
 
     @property
     def capacity_tokens(self) -> int:
@@ -48,25 +117,31 @@ class BlockManager:
         return self._tables.get(seq_id, [])
 
     def num_tokens(self, seq_id: int) -> int:
-        return self._num_tokens.get(seq_id, 0)
+        return self.claimed.get(seq_id, 0)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def is_cached(self, block: int) -> bool:
+        return self._tokens[block] is not None
 
     # ------------------------------------------------------------ growth
 
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """New blocks the sequence needs to hold `num_new_tokens` more tokens."""
         table = self._tables.get(seq_id)
-        total = self._num_tokens.get(seq_id, 0) + num_new_tokens
+        total = self.claimed.get(seq_id, 0) + num_new_tokens
         need = -(-total // self.block_size) - (len(table) if table is not None else 0)
         return need if need > 0 else 0
 
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq_id, num_new_tokens) <= self.num_free_blocks
 
     def max_new_tokens(self, seq_id: int) -> int:
         """How many more tokens the sequence could claim with the blocks free now."""
         table = self._tables.get(seq_id)
         held = (len(table) if table is not None else 0) * self.block_size
-        return held - self._num_tokens.get(seq_id, 0) + len(self._free) * self.block_size
+        return held - self.claimed.get(seq_id, 0) + self.num_free_blocks * self.block_size
 
     def allocate(self, seq_id: int, num_new_tokens: int) -> list[int]:
         """Claim slots for `num_new_tokens` more tokens; returns the blocks added to the table.
@@ -76,16 +151,20 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if table is None:
             table = self._tables[seq_id] = []
-        total = self._num_tokens.get(seq_id, 0) + num_new_tokens
+        total = self.claimed.get(seq_id, 0) + num_new_tokens
         need = -(-total // self.block_size) - len(table)
         if need <= 0:
-            self._num_tokens[seq_id] = total
+            self.claimed[seq_id] = total
             return []
         free = self._free
         if need > len(free):
-            if not table:
-                del self._tables[seq_id]
-            raise MemoryError(f"sequence {seq_id} needs {need} blocks, {len(free)} are free")
+            if need > len(free) + self._num_evictable:
+                if not table:
+                    del self._tables[seq_id]
+                raise MemoryError(
+                    f"sequence {seq_id} needs {need} blocks, {self.num_free_blocks} are free"
+                )
+            self._evict(need - len(free))
         ref = self._ref
         new = [free.popleft() for _ in range(need)]
         for b in new:
@@ -93,45 +172,209 @@ class BlockManager:
                 raise AssertionError(f"block {b} on the free list has {ref[b]} references")
             ref[b] = 1
         table.extend(new)
-        self._num_tokens[seq_id] = total
+        self.claimed[seq_id] = total
         return new
 
-    def free(self, seq_id: int) -> int:
-        """Return the sequence's blocks to the pool; returns how many were returned.
+    def _make_evictable(self, b: int) -> None:
+        stamp = self._next_stamp
+        self._next_stamp = stamp + 1
+        self._stamp[b] = stamp
+        self._lru.append(stamp * self.num_blocks + b)
+        self._num_evictable += 1
 
-        Freeing a sequence that holds nothing is a no-op; a block whose count is
-        already 0 raises (a double free).
+    def _evict(self, n: int) -> None:
+        """Move the `n` least recently freed cached blocks to the free list, forgetting them."""
+        lru, stamps, nb = self._lru, self._stamp, self.num_blocks
+        cache, keys, tokens, free = self._cache, self._key, self._tokens, self._free
+        for _ in range(n):
+            while True:
+                stamp, b = divmod(lru.popleft(), nb)
+                if stamps[b] == stamp:
+                    break
+            stamps[b] = 0
+            del cache[keys[b]]
+            tokens[b] = None
+            free.append(b)
+        self._num_evictable -= n
+        self.num_evictions += n
+
+    def free(self, seq_id: int) -> int:
+        """Return the sequence's blocks to the pool; returns how many references were dropped.
+
+        A block nobody else holds becomes free, or evictable if it is cached
+        (the table is walked backwards, so a prefix's tail is evicted before
+        its head). Freeing a sequence that holds nothing is a no-op; a block
+        whose count is already 0 raises (a double free).
         """
         table = self._tables.pop(seq_id, None)
-        self._num_tokens.pop(seq_id, None)
+        self.claimed.pop(seq_id, None)
+        self._keyed.pop(seq_id, None)
         if not table:
             return 0
         ref = self._ref
-        free = self._free
-        for b in table:
+        tokens = self._tokens
+        for b in reversed(table):
             n = ref[b]
             if n <= 0:
                 raise AssertionError(f"double free of block {b} (sequence {seq_id})")
             ref[b] = n - 1
             if n == 1:
-                free.append(b)
+                if tokens[b] is None:
+                    self._free.append(b)
+                else:
+                    self._make_evictable(b)
         return len(table)
 
+    # ------------------------------------------------------------ prefix cache
+
+    def lookup(self, prompt: Sequence[int], output: Sequence[int], max_blocks: int) -> list[int]:
+        """The cached blocks that hold the longest prefix of `prompt + output` (token arrays),
+        at most `max_blocks` of them. Changes nothing."""
+        cache = self._cache
+        if not cache or max_blocks <= 0:
+            return []
+        nodes, parents, tokens = self._node, self._parent, self._tokens
+        size = self.block_size * TOKEN_BYTES  # bytes of a block's tokens
+        data = token_bytes(prompt, output, 0, max_blocks * self.block_size)
+        hits: list[int] = []
+        node = 0
+        for a in range(0, len(data), size):
+            toks = data[a : a + size]
+            b = cache.get(_key_hash((node, toks)))
+            if b is None or parents[b] != node or tokens[b] != toks:
+                break
+            hits.append(b)
+            node = nodes[b]
+        return hits
+
+    def admission_cost(self, hits: list[int], num_new_tokens: int) -> int:
+        """Blocks that `allocate_with_prefix(_, hits, num_new_tokens)` takes out of
+        `num_free_blocks`: the new ones, and the hits that nobody holds now."""
+        ref = self._ref
+        new = -(-num_new_tokens // self.block_size)
+        return new + sum(1 for b in hits if ref[b] == 0)
+
+    def allocate_with_prefix(self, seq_id: int, hits: list[int], num_new_tokens: int) -> list[int]:
+        """Give a sequence that holds nothing the cached blocks `hits` (from `lookup`), then
+        room for `num_new_tokens` tokens after them; returns its whole table (a copy).
+
+        Raises MemoryError (and changes nothing) if the free blocks do not suffice.
+        """
+        if self._tables.get(seq_id):
+            raise AssertionError(f"sequence {seq_id} already holds blocks")
+        if self.admission_cost(hits, num_new_tokens) > self.num_free_blocks:
+            raise MemoryError(f"sequence {seq_id}: not enough free blocks")
+        ref = self._ref
+        for b in hits:
+            if ref[b] == 0:
+                self._stamp[b] = 0  # its entry in the LRU queue is dead
+                self._num_evictable -= 1
+            ref[b] += 1
+        if len(self._lru) > 2 * self._num_evictable + self.sweep_slack:  # mostly dead: sweep
+            nb, stamps = self.num_blocks, self._stamp
+            self._lru = deque(e for e in self._lru if stamps[e % nb] == e // nb)
+        self._tables[seq_id] = list(hits)
+        self.claimed[seq_id] = len(hits) * self.block_size
+        if hits:
+            self._keyed[seq_id] = (len(hits), self._node[hits[-1]])
+        self.allocate(seq_id, num_new_tokens)
+        return list(self._tables[seq_id])
+
+    def cache_blocks(
+        self, seq_id: int, prompt: Sequence[int], output: Sequence[int], upto: int
+    ) -> int:
+        """Key the sequence's full blocks that lie within positions `0 .. upto - 1` (whose KV
+        a sent plan computes, and whose tokens are known); returns the position from which
+        the next block can be keyed.
+
+        A block whose key is already cached elsewhere (the same prefix computed
+        twice) stays private and uncached; the chain goes on from the cached one.
+        """
+        table = self._tables.get(seq_id)
+        bs = self.block_size
+        if table is None or not self.enable_caching:
+            return upto + bs
+        count, node = self._keyed.get(seq_id, (0, 0))
+        end = min(upto // bs, len(table))
+        if count >= end:
+            return (count + 1) * bs
+        cache, keys, nodes = self._cache, self._key, self._node
+        parents, tokens = self._parent, self._tokens
+        size = bs * TOKEN_BYTES
+        data = token_bytes(prompt, output, count * bs, end * bs)
+        for a in range(0, len(data), size):
+            toks = data[a : a + size]
+            h = _key_hash((node, toks))
+            b = cache.get(h)
+            if b is None:
+                b = table[count]
+                if tokens[b] is not None:
+                    raise AssertionError(f"block {b} of sequence {seq_id} is keyed twice")
+                cache[h] = b
+                keys[b] = h
+                tokens[b] = toks
+                parents[b] = node
+                nodes[b] = node = self._next_node
+                self._next_node += 1
+            elif parents[b] == node and tokens[b] == toks:
+                node = nodes[b]  # computed twice: the cached copy carries the chain
+            else:  # a hash collision: leave this one uncached, on a chain of its own
+                node = self._next_node
+                self._next_node += 1
+            count += 1
+        self._keyed[seq_id] = (count, node)
+        return (count + 1) * bs
+
+    # ------------------------------------------------------------ invariants
+
     def check(self) -> None:
-        """Verify the invariants (for tests): every block is free xor referenced by its tables."""
+        """Verify the invariants (for tests): counts, states, the cache, sharing."""
         counts = [0] * self.num_blocks
         for table in self._tables.values():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"a block twice in one table: {table}")
             for b in table:
                 counts[b] += 1
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
+        evictable = {b for b in range(self.num_blocks) if self._stamp[b]}
+        live = [e for e in self._lru if self._stamp[e % self.num_blocks] == e // self.num_blocks]
+        if sorted(e % self.num_blocks for e in live) != sorted(evictable):
+            raise AssertionError("the LRU queue and the evictable blocks disagree")
+        if len(evictable) != self._num_evictable:
+            raise AssertionError("the evictable count is off")
+        if free & evictable:
+            raise AssertionError(f"blocks both free and evictable: {free & evictable}")
         for b in range(self.num_blocks):
             if counts[b] != self._ref[b]:
                 raise AssertionError(f"block {b}: ref {self._ref[b]}, in {counts[b]} tables")
-            if (b in free) == (counts[b] > 0):
-                raise AssertionError(f"block {b}: free={b in free}, refs={counts[b]}")
+            idle = b in free or b in evictable
+            if idle == (counts[b] > 0):
+                raise AssertionError(f"block {b}: idle={idle}, refs={counts[b]}")
+            if b in evictable and self._tokens[b] is None:
+                raise AssertionError(f"evictable block {b} is not cached")
+            if b in free and self._tokens[b] is not None:
+                raise AssertionError(f"free block {b} is still cached")
+            if counts[b] > 1 and self._tokens[b] is None:
+                raise AssertionError(f"block {b} is shared by {counts[b]} tables but not cached")
+            if self._tokens[b] is not None and self._cache.get(self._key[b]) != b:
+                raise AssertionError(f"block {b} is cached but the cache does not point to it")
+        for h, b in self._cache.items():
+            if self._key[b] != h:
+                raise AssertionError(f"cache entry for block {b} has a stale key")
+            toks = self._tokens[b]
+            if toks is None or len(toks) != self.block_size * TOKEN_BYTES:
+                raise AssertionError(f"block {b} is cached but not full")
+            if _key_hash((self._parent[b], toks)) != h:
+                raise AssertionError(f"block {b} is cached under a key that is not its own")
+        if len(self._cache) != sum(t is not None for t in self._tokens):
+            raise AssertionError("the cache and the cached blocks disagree")
         for seq_id, table in self._tables.items():
-            n = self._num_tokens.get(seq_id, 0)
+            n = self.claimed.get(seq_id, 0)
             if len(table) != -(-n // self.block_size):
                 raise AssertionError(f"sequence {seq_id}: {len(table)} blocks for {n} tokens")
+            count, _ = self._keyed.get(seq_id, (0, 0))
+            for b in table[count:]:
+                if counts[b] > 1:
+                    raise AssertionError(f"sequence {seq_id} shares block {b} beyond its prefix")

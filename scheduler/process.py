@@ -54,6 +54,7 @@ from subway.scheduler.scheduler import Scheduler
 log = logging.getLogger("subway.scheduler")
 
 HEARTBEAT_S = 0.5  # a Deltas with stats at least this often once ready
+LOG_INTERVAL_S = 5.0  # one stats line in the log at most this often, while there is activity
 POLL_MAX_MS = 100  # longest block in poll, so that a signal is seen soon
 LINGER_MS = 1000  # time left to deliver Shutdown / EngineError on close
 
@@ -98,6 +99,9 @@ class SchedulerLoop:
         self.sent_at: deque[float] = deque()  # perf_counter() when each in-flight plan left
         self.last_result_at = 0.0
         self.last_out_at = 0.0
+        self.last_log_at = time.monotonic()
+        self.last_log_step = 0
+        self.sched_time_acc = 0.0  # schedule() seconds since the last log line
         self.stop = False
         self.exit_code: int | None = None
 
@@ -119,6 +123,7 @@ class SchedulerLoop:
                 if self.sched is not None:
                     self._plan()
                     self._flush()
+                    self._maybe_log()
                     wait = self.last_out_at + HEARTBEAT_S - time.monotonic()
                     timeout = max(0, min(POLL_MAX_MS, int(wait * 1000) + 1))
                 poller.poll(timeout)
@@ -150,6 +155,7 @@ class SchedulerLoop:
                 return
             self.plans.send(self.plan_codec.encode(plan))
             self.sent_at.append(time.perf_counter())
+            self.sched_time_acc += sched.last_schedule_time
 
     def _flush(self) -> None:
         """Send this turn's deltas with stats, or a heartbeat when it is time."""
@@ -161,6 +167,22 @@ class SchedulerLoop:
         if deltas or time.monotonic() - self.last_out_at >= HEARTBEAT_S:
             self.out = []
             self._send_frontend(Deltas(deltas, sched.stats()))
+
+    def _maybe_log(self) -> None:
+        """One line of engine statistics every LOG_INTERVAL_S, while anything happens."""
+        now = time.monotonic()
+        if now - self.last_log_at < LOG_INTERVAL_S:
+            return
+        sched = self.sched
+        assert sched is not None
+        steps = sched.num_steps - self.last_log_step
+        if steps == 0 and not sched.has_work:
+            self.last_log_at = now
+            return
+        log.info("%s", format_stats(sched, steps, now - self.last_log_at, self.sched_time_acc))
+        self.last_log_at = now
+        self.last_log_step = sched.num_steps
+        self.sched_time_acc = 0.0
 
     def _send_frontend(self, msg: msgspec.Struct) -> None:
         try:
@@ -303,6 +325,22 @@ class SchedulerLoop:
             if buf is not None:
                 buf.close()
         self.prompt_buf = self.sampled_buf = None
+
+
+def format_stats(sched: Scheduler, steps: int, interval: float, sched_time: float) -> str:
+    """The periodic log line: queues, the last step, KV blocks, prefix cache, step rate."""
+    s = sched.stats()
+    queries = s.prefix_cache_queries_total
+    hit = f"{100.0 * s.prefix_cache_hits_total / queries:.1f}%" if queries else "-"
+    per_step = f"{1e6 * sched_time / steps:.0f}us" if steps else "-"
+    return (
+        f"running {s.num_running} waiting {s.num_waiting} "
+        f"(preempted {sched.num_preempted_waiting}, {s.num_preempted_total} total) | "
+        f"last step: {s.batch_size} seqs {s.num_batched_tokens} tokens | "
+        f"KV blocks used {s.kv_blocks_used} cached {s.kv_blocks_cached} "
+        f"free {s.kv_blocks_free}/{s.kv_blocks_total} | prefix hit {hit} | "
+        f"{steps / interval:.1f} steps/s, schedule {per_step}/step"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

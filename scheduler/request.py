@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from subway.ipc.messages import SamplingParams, TokenRef
+from subway.scheduler.block_manager import TOKEN_TYPE
+
+NEVER = 1 << 62  # a position no sequence reaches: "no more blocks to key" when caching is off
 
 
 class SeqStatus(enum.Enum):
@@ -21,7 +25,7 @@ class Sequence:
     Token accounting, with `num_tokens = len(prompt_ids) + len(output_ids)`:
 
     - `num_computed_tokens`: positions whose KV is written or planned (a sent
-      plan covers them). Reset to 0 by preemption.
+      plan covers them), cached prefix included. Reset to 0 by preemption.
     - `num_inflight`: tokens that sent plans sample but whose results have not
       arrived. With overlap, the next plan assumes they exist: the sequence's
       next input is at position `num_computed_tokens`, and
@@ -31,7 +35,7 @@ class Sequence:
 
     seq_id: int
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: array  # int32 (TOKEN_TYPE): the garbage collector does not walk arrays
     prompt_ref: TokenRef  # passed to the workers untouched, in NewSeq
     sampling: SamplingParams
     arrival_time: float  # the frontend's time.time()
@@ -40,15 +44,23 @@ class Sequence:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array = field(default_factory=lambda: array(TOKEN_TYPE))
     status: SeqStatus = SeqStatus.WAITING
     num_tokens: int = 0
     num_computed_tokens: int = 0
     num_inflight: int = 0
+    num_slots: int = 0  # token slots of its block table (a multiple of the block size)
     sent: bool = False  # NewSeq went out: the workers know this sequence
     reported: bool = False  # a delta went out (the first one carries num_prompt_tokens)
     scheduled_step: int = -1  # last plan that scheduled it
+    admitted_step: int = -1  # last plan that admitted it (from waiting)
     num_preemptions: int = 0
+    preempted: bool = False  # waiting after a preemption
+    num_cached_tokens: int = 0  # prefix-cache hit of the admission that gave the first token
+    # Prefix caching: key its blocks when it is scheduled at this position or later (the end
+    # of its next unkeyed block); NEVER when caching is off or once it decodes.
+    cache_upto: int = NEVER
+    first_scheduled_time: float | None = None  # the scheduler's clock at its first admission
     first_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -67,4 +79,4 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids.tolist() + self.output_ids.tolist()

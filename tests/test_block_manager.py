@@ -83,3 +83,165 @@ def test_random_workload_never_leaks():
 def test_bad_pool():
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def test_full_blocks_are_cached_and_shared_read_only():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    prompt = list(range(1, 11))  # 10 tokens: blocks [1-4] [5-8] and a partial one
+    bm.allocate(1, 10)
+    assert bm.cache_blocks(1, prompt, [], 10) == 12  # two full blocks keyed; next at 12
+    t1 = bm.block_table(1)
+    assert [bm.is_cached(b) for b in t1] == [True, True, False]
+    # Another sequence with the same first 9 tokens: both full blocks hit.
+    other = prompt[:9] + [99]
+    hits = bm.lookup(other, [], (len(other) - 1) // 4)
+    assert hits == t1[:2]
+    table = bm.allocate_with_prefix(2, hits, len(other) - 8)
+    assert table[:2] == t1[:2] and table[2] != t1[2]  # the partial block is private
+    assert [bm.ref_count(b) for b in t1] == [2, 2, 1]
+    assert bm.num_used_blocks == 4
+    bm.check()
+
+
+def test_lookup_stops_at_first_miss_and_respects_the_cap():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_caching=True)
+    toks = [1, 2, 3, 4, 5, 6]
+    bm.allocate(1, 6)
+    bm.cache_blocks(1, toks, [], 6)
+    assert len(bm.lookup(toks, [], 3)) == 3
+    assert len(bm.lookup(toks, [], (len(toks) - 1) // 2)) == 2  # the last token is recomputed
+    assert len(bm.lookup([1, 2, 9, 4, 5, 6], [], 3)) == 1  # the chain breaks at block 1
+    assert bm.lookup([3, 4, 5, 6], [], 2) == []  # same block content, other parent: no hit
+    assert len(bm.lookup([1, 2], [3, 4, 7], 2)) == 2  # prompt + output are one token stream
+
+
+def test_cached_blocks_outlive_their_sequence_and_are_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_caching=True)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    bm.allocate(1, 4)
+    bm.cache_blocks(1, a, [], 4)
+    bm.free(1)
+    bm.allocate(2, 4)
+    bm.cache_blocks(2, b, [], 4)
+    bm.free(2)
+    assert (bm.num_used_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (0, 4, 4)
+    bm.check()
+    # Taking 2 blocks evicts the least recently freed: sequence 1's (its tail first).
+    bm.allocate(3, 4)
+    assert bm.num_evictions == 2
+    assert bm.lookup(a, [], 2) == [] and len(bm.lookup(b, [], 2)) == 2
+    bm.check()
+    # A hit on an evictable block takes it back out of the LRU.
+    hits = bm.lookup(b, [], 1)
+    assert bm.admission_cost(hits, 1) == 2
+    bm.allocate_with_prefix(4, hits, 1)  # its new block evicts the other one
+    assert bm.ref_count(hits[0]) == 1 and bm.num_evictions == 3
+    assert (bm.num_used_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (4, 0, 0)
+    with pytest.raises(MemoryError):
+        bm.allocate(5, 1)
+    bm.check()
+
+
+def test_tail_block_is_evicted_before_the_head():
+    bm = BlockManager(num_blocks=3, block_size=2, enable_caching=True)
+    toks = [1, 2, 3, 4, 5, 6]
+    bm.allocate(1, 6)
+    bm.cache_blocks(1, toks, [], 6)
+    bm.free(1)
+    bm.allocate(2, 2)  # one eviction: the last block of the prefix goes
+    assert len(bm.lookup(toks, [], 3)) == 2
+
+
+def test_same_prefix_computed_twice_is_cached_once():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_caching=True)
+    toks = [1, 2, 3, 4, 5]
+    bm.allocate(1, 5)
+    bm.allocate(2, 5)  # both computed it before either was keyed
+    bm.cache_blocks(1, toks, [], 5)
+    bm.cache_blocks(2, toks + [6], [], 6)  # its third block is new: chained from 1's blocks
+    t1, t2 = bm.block_table(1), bm.block_table(2)
+    assert [bm.is_cached(b) for b in t2] == [False, False, True]
+    assert bm.lookup(toks + [6, 7], [], 3) == t1[:2] + t2[2:]
+    bm.free(1)
+    bm.free(2)
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 8
+    bm.check()
+
+
+def test_no_caching_when_disabled():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate(1, 4)
+    bm.cache_blocks(1, [1, 2, 3, 4], [], 4)
+    bm.free(1)
+    assert bm.num_cached_blocks == 0 and bm.lookup([1, 2, 3, 4], [], 2) == []
+
+
+def test_admission_cost_counts_evictable_hits():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_caching=True)
+    bm.allocate(1, 4)
+    bm.cache_blocks(1, [1, 2, 3, 4], [], 4)
+    hits = bm.lookup([1, 2, 3, 4, 5], [], 2)
+    assert bm.admission_cost(hits, 1) == 1  # held by 1: sharing is free
+    bm.free(1)
+    assert bm.admission_cost(hits, 1) == 3  # evictable hits leave the free pool too
+    with pytest.raises(AssertionError):
+        bm.allocate(2, 1)
+        bm.allocate_with_prefix(2, hits, 1)  # it already holds blocks
+    bm.free(2)
+    table = bm.allocate_with_prefix(3, hits, 1)
+    assert table[:2] == hits and bm.num_free_blocks == 1
+    bm.check()
+
+
+@pytest.mark.parametrize("sweep_slack", [1024, 0])
+def test_random_workload_with_sharing_never_leaks(sweep_slack):
+    rng = random.Random(1)
+    bs = 4
+    bm = BlockManager(num_blocks=24, block_size=bs, enable_caching=True)
+    bm.sweep_slack = sweep_slack  # 0: the LRU queue is swept of dead entries all the time
+    prefixes = [[rng.randrange(5) for _ in range(12)] for _ in range(3)]
+    live: dict[int, list[int]] = {}
+    for i in range(4000):
+        sid = rng.randrange(16)
+        if sid in live and rng.random() < 0.3:
+            bm.cache_blocks(sid, live[sid], [], bm.num_tokens(sid))
+            bm.free(sid)
+            del live[sid]
+        elif sid in live:
+            toks = live[sid]
+            n = rng.randrange(1, 6)
+            if bm.can_allocate(sid, n):
+                done = bm.num_tokens(sid)
+                bm.allocate(sid, n)
+                toks += [rng.randrange(5) for _ in range(n)]
+                bm.cache_blocks(sid, toks, [], done)  # only what earlier "steps" computed
+        else:
+            toks = rng.choice(prefixes)[: rng.randrange(1, 13)] + [rng.randrange(5)]
+            hits = bm.lookup(toks, [], (len(toks) - 1) // bs)
+            n = len(toks) - len(hits) * bs
+            if bm.admission_cost(hits, n) <= bm.num_free_blocks:
+                bm.allocate_with_prefix(sid, hits, n)
+                live[sid] = toks
+        if i % 50 == 0:
+            bm.check()
+    for sid in list(live):
+        bm.free(sid)
+    bm.check()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 24
+    assert bm.num_evictions > 100 and bm.num_cached_blocks > 0
+
+
+def test_hash_collisions_never_alias(monkeypatch):
+    from subway.scheduler import block_manager
+
+    monkeypatch.setattr(block_manager, "_key_hash", lambda key: 42)  # every key collides
+    bm = BlockManager(num_blocks=8, block_size=2, enable_caching=True)
+    bm.allocate(1, 4)
+    bm.cache_blocks(1, [1, 2, 3, 4], [], 4)  # block 0 is cached; block 1 collides with it
+    assert [bm.is_cached(b) for b in bm.block_table(1)] == [True, False]
+    assert len(bm.lookup([1, 2, 3, 4, 5], [], 2)) == 1
+    assert bm.lookup([9, 9, 3, 4], [], 2) == []  # same hash, other tokens: a miss
+    bm.check()

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import AddRequest, Plan, SamplingParams, StepResult, TokenRef
+from subway.scheduler.fake_worker import FakeWorker as _FakeWorker
 from subway.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -32,67 +33,13 @@ def hash_sample(tokens: list[int]) -> int:
     return zlib.crc32(array("i", tokens)) % VOCAB
 
 
-class FakeWorker:
-    """Applies plans as a worker would, asserting the scheduler's promises."""
+class FakeWorker(_FakeWorker):
+    """Applies plans as a worker would, asserting the scheduler's promises (see
+    `subway.scheduler.fake_worker`): contiguous KV, blocks as needed, no write into a
+    shared block, the right KV read back through every block table."""
 
-    def __init__(self, num_blocks: int, block_size: int, sample: Callable = hash_sample) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.sample = sample
-        self.tokens: dict[int, list[int]] = {}
-        self.kv: dict[int, int] = {}
-        self.tables: dict[int, list[int]] = {}
-        self.owner: dict[int, int] = {}  # block -> sequence holding it
-        self.plans: list[Plan] = []
-
-    def _drop_blocks(self, sid: int) -> None:
-        for b in self.tables.get(sid, []):
-            assert self.owner.pop(b) == sid
-        self.tables[sid] = []
-        self.kv[sid] = 0
-
-    def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
-        self.plans.append(plan)
-        for sid in plan.finished:
-            assert sid in self.tokens, f"finished {sid} was never sent"
-            self._drop_blocks(sid)
-            del self.tokens[sid], self.kv[sid], self.tables[sid]
-        for sid in plan.preempted:
-            assert sid in self.tokens
-            self._drop_blocks(sid)
-        for ns in plan.new_seqs:
-            assert ns.seq_id not in self.tokens, "NewSeq sent twice"
-            self.tokens[ns.seq_id] = list(ns.prompt.ids)
-            self.kv[ns.seq_id] = 0
-            self.tables[ns.seq_id] = []
-        seen = set()
-        out_ids, out_tokens = [], []
-        for s in plan.seqs:
-            sid = s.seq_id
-            assert sid not in seen, "a sequence twice in one plan"
-            seen.add(sid)
-            assert s.num_tokens > 0
-            assert s.start_pos == self.kv[sid], "KV positions must be contiguous"
-            for b in s.new_blocks:
-                assert 0 <= b < self.num_blocks
-                assert b not in self.owner, (
-                    f"block {b} given to {sid} while {self.owner[b]} holds it"
-                )
-                self.owner[b] = sid
-            self.tables[sid].extend(s.new_blocks)
-            end = s.start_pos + s.num_tokens
-            assert len(self.tables[sid]) == -(-end // self.block_size), "blocks != what is needed"
-            toks = self.tokens[sid]
-            assert end <= len(toks), "fed a token the worker does not have"
-            self.kv[sid] = end
-            if s.sample:
-                assert end == len(toks), "sampled from a position that is not the last"
-                t = self.sample(toks)
-                toks.append(t)
-                out_ids.append(sid)
-                out_tokens.append(t)
-        result = StepResult(step=plan.step, seq_ids=out_ids, tokens=TokenRef(ids=out_tokens))
-        return result, out_tokens
+    def __init__(self, num_blocks: int, block_size: int, sample: Callable = hash_sample, **kw):
+        super().__init__(num_blocks, block_size, sample, **kw)
 
 
 @dataclass
@@ -100,8 +47,11 @@ class Req:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    arrival: int = 0  # driver iteration at which it is added
+    arrival: int = 0  # driver iteration at which it is added (and its arrival_time)
     abort_at: int | None = None  # driver iteration at which it is aborted
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_class: str = "interactive"
 
 
 @dataclass
@@ -118,17 +68,21 @@ def make_config(**kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def make_scheduler(num_blocks=256, max_model_len=1024, **kw) -> Scheduler:
-    return Scheduler(make_config(**kw), num_blocks, max_model_len, [EOS])
+def make_scheduler(num_blocks=256, max_model_len=1024, policy=None, **kw) -> Scheduler:
+    """A scheduler over a pool of `num_blocks`; `policy` (an object) overrides config.policy."""
+    return Scheduler(make_config(**kw), num_blocks, max_model_len, [EOS], policy=policy)
 
 
-def add(sched: Scheduler, r: Req) -> None:
+def add(sched: Scheduler, r: Req, arrival_time: float | None = None) -> None:
     req = AddRequest(
         request_id=r.request_id,
         prompt=TokenRef(ids=list(r.prompt)),
         prompt_len=len(r.prompt),
         sampling=r.sampling,
-        arrival_time=time.time(),
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+        priority=r.priority,
+        slo_ttft_ms=r.slo_ttft_ms,
+        slo_class=r.slo_class,
     )
     sched.add(req, list(r.prompt))
 
@@ -137,6 +91,7 @@ def check_plan(sched: Scheduler, plan: Plan) -> None:
     cfg = sched.config
     assert sum(s.num_tokens for s in plan.seqs) <= cfg.max_num_batched_tokens
     assert len(plan.seqs) <= cfg.max_num_seqs
+    assert sched.num_running <= cfg.max_num_seqs
     assert plan.seqs, "empty plans are not sent"
 
 
@@ -159,8 +114,10 @@ def drive(
     overlap: bool,
     worker: FakeWorker | None = None,
     max_iters: int = 20000,
+    on_plan: Callable[[int, Plan], None] | None = None,
 ) -> dict[str, Out]:
-    """Run until everything is done: add and abort at their iterations, keep 1 or 2 plans in flight."""
+    """Run until everything is done: add and abort at their iterations, keep 1 or 2 plans in
+    flight. A request's arrival_time is its iteration; `on_plan(iteration, plan)` sees each plan."""
     bm = sched.block_manager
     worker = worker or FakeWorker(bm.num_blocks, bm.block_size)
     depth = 2 if overlap else 1
@@ -171,7 +128,7 @@ def drive(
     inflight: deque = deque()
     for it in range(max_iters):
         while arrivals and arrivals[0].arrival <= it:
-            add(sched, arrivals.popleft())
+            add(sched, arrivals.popleft(), arrival_time=float(it))
         while aborts and aborts[0].abort_at <= it:
             sched.abort(aborts.popleft().request_id)
         collect(outs, sched.pop_pending_deltas())
@@ -180,8 +137,10 @@ def drive(
             if plan is None:
                 break
             check_plan(sched, plan)
+            if on_plan is not None:
+                on_plan(it, plan)
             inflight.append(worker.run(plan))
-        bm.check()
+        sched.check()  # the block manager's invariants and the scheduler's own
         if inflight:
             collect(outs, sched.process_result(*inflight.popleft()))
         elif not arrivals and not aborts:
@@ -382,6 +341,15 @@ def test_unservable_prompts_finish_at_once():
     assert outs["too_long"].num_prompt_tokens == 33
 
 
+def test_prompt_ids_that_are_not_token_ids_fail_the_request():
+    sched = make_scheduler()
+    add(sched, Req("huge", [1, 1 << 64], SamplingParams()))
+    add(sched, Req("ok", [1, 2], SamplingParams(max_tokens=1)))
+    (d,) = sched.pop_pending_deltas()
+    assert (d.request_id, d.finish_reason) == ("huge", "error")
+    assert sched.num_waiting == 1
+
+
 def test_max_tokens_one_costs_one_step_in_overlap():
     sched = make_scheduler()
     worker = FakeWorker(256, 4)
@@ -488,7 +456,7 @@ def test_step_cost_at_256_running():
     sched = make_scheduler(
         num_blocks=256 * 64, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048
     )
-    worker = FakeWorker(256 * 64, 4, sample=lambda toks: 7)
+    worker = FakeWorker(256 * 64, 4, sample=lambda toks: 7, check_kv=False)
     for i in range(256):
         add(sched, Req(f"r{i}", [1] * 16, SamplingParams(max_tokens=4000, ignore_eos=True)))
     pending = deque()
@@ -731,3 +699,41 @@ def test_process_reports_worker_error(rig_dir):
         assert rig.proc.wait(timeout=10) == 1
     finally:
         rig.close()
+
+
+def test_stats_log_line():
+    from subway.scheduler.process import format_stats
+
+    sched = make_scheduler(num_blocks=32, max_model_len=64, block_size=4)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    for i in range(3):
+        add(sched, Req(f"r{i}", [1, 2, 3, 4, 5, i + 6], sp))
+    sched.schedule()
+    line = format_stats(sched, steps=1, interval=5.0, sched_time=1e-4)
+    assert "\n" not in line
+    for part in ("running 3", "waiting 0", "3 seqs 18 tokens", "KV blocks used 6 cached 0",
+                 "free 26/32", "prefix hit 0.0%", "0.2 steps/s", "schedule 100us/step"):  # fmt: skip
+        assert part in line, (part, line)
+
+
+def test_process_logs_one_stats_line_every_few_seconds(rig_dir, caplog):
+    import logging
+
+    from subway.scheduler.process import LOG_INTERVAL_S, SchedulerLoop
+
+    cfg = EngineConfig(run_dir=rig_dir, run_id=f"t{random.randrange(1 << 30)}", block_size=4)
+    loop = SchedulerLoop(cfg)
+    try:
+        loop.sched = sched = Scheduler(cfg, 16, 64, [EOS])
+        add(sched, Req("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)))
+        with caplog.at_level(logging.INFO, logger="subway.scheduler"):
+            loop._maybe_log()  # not yet: the interval has not passed
+            sched.schedule()
+            loop.last_log_at -= LOG_INTERVAL_S
+            loop._maybe_log()
+            loop.last_log_at -= LOG_INTERVAL_S
+            loop._maybe_log()  # no step since, but work in flight: a line again
+        lines = [r.getMessage() for r in caplog.records if r.name == "subway.scheduler"]
+        assert len(lines) == 2 and "running 1 waiting 0" in lines[0]
+    finally:
+        loop.close()
