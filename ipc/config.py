@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    kv_cache_memory: int = 256 * 1024 * 1024  # bytes of KV cache on the CPU
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on the CPU
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int = 0  # >0 overrides the memory-derived count (tests, benchmarks)
     seed: int = 0

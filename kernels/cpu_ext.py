@@ -41,7 +41,8 @@ def load():
                 module = cpp_extension.load(
                     name="subway_cpu_kernels",
                     sources=[src],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
                     build_directory=_build_dir(),
                     verbose=False,
                 )

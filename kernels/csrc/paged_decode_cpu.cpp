@@ -9,8 +9,26 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+// Element loads as float. bfloat16 is the top half of a float32: a shift, which vectorises.
+template <typename T>
+static inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    dst[i] = f;
+  }
+}
 
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
@@ -19,7 +37,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // stride between consecutive tokens of one block
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), row_f(D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t s = idx / KVH, h = idx % KVH;
       const int64_t L = ctx[s];
@@ -29,12 +47,13 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
           qf[g * D + d] = static_cast<float>(q[(s * H + h * G + g) * D + d]) * scale;
       scores.assign(G * L, 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const T* k = kc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D;
+        load_row(kc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D, row_f.data(), D);
+        const float* k = row_f.data();
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
           scores[g * L + t] = dot;
         }
       }
@@ -52,12 +71,13 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const T* v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D;
+        load_row(vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D, row_f.data(), D);
+        const float* v = row_f.data();
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float* a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
       }
       for (int64_t g = 0; g < G; ++g)
