@@ -81,9 +81,13 @@ class SchedulerLoop:
         self.max_inflight = 2 if config.overlap else 1
         self.ctx = zmq.Context()
         self.requests = bind(self.ctx, zmq.PULL, config.scheduler_addr, RCVHWM=0)
-        self.plans = bind(self.ctx, zmq.XPUB, config.plan_addr, XPUB_VERBOSE=1, SNDHWM=0)
+        self.plans = bind(
+            self.ctx, zmq.XPUB, config.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
+        )  # verbose-r: every (un)subscription, so each worker's arrival and departure show
         self.results = bind(self.ctx, zmq.PULL, config.result_addr, RCVHWM=0)
         self.frontend = connect(self.ctx, zmq.PUSH, config.frontend_addr, SNDHWM=0)
+        # A frontend that dies leaves requests nobody will read: abort them when it goes.
+        self.frontend_monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.in_codec = Codec(ToScheduler)
         self.worker_codec = Codec(FromWorker)
         self.plan_codec = Codec(ToWorker)
@@ -112,7 +116,7 @@ class SchedulerLoop:
 
     def run(self) -> int:
         poller = zmq.Poller()
-        for sock in (self.plans, self.results, self.requests):
+        for sock in (self.plans, self.results, self.requests, self.frontend_monitor):
             poller.register(sock, zmq.POLLIN)
         try:
             while not self.stop and self.exit_code is None:
@@ -145,6 +149,18 @@ class SchedulerLoop:
                 except zmq.Again:
                     break
                 handle(data)
+        while True:
+            try:
+                self.frontend_monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_frontend_gone()
+
+    def _on_frontend_gone(self) -> None:
+        live = self.sched.request_ids() if self.sched is not None else []
+        log.warning("a frontend disconnected; aborting its %d requests", len(live))
+        for rid in live:
+            self.sched.abort(rid)  # type: ignore[union-attr]
 
     def _plan(self) -> None:
         sched = self.sched
@@ -199,6 +215,11 @@ class SchedulerLoop:
             self._maybe_ready()
         elif data[:1] == b"\x00":
             self.num_subscribers -= 1
+            if self.sched is not None and self.exit_code is None:
+                # A worker's SUB pipe closed: the process died (the kernel closed its sockets).
+                log.error("a worker disconnected; the engine cannot serve")
+                self._send_frontend(EngineError("a worker disconnected (process died?)"))
+                self.exit_code = 1
 
     def _on_worker(self, data: bytes) -> None:
         try:
@@ -315,6 +336,8 @@ class SchedulerLoop:
             self.plans.send(self.plan_codec.encode(Shutdown()), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("could not publish Shutdown: %s", e)
+        self.requests.disable_monitor()
+        self.frontend_monitor.close(linger=0)
         for sock in (self.plans, self.frontend):
             sock.close(linger=LINGER_MS)
         for sock in (self.requests, self.results):

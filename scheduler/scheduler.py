@@ -162,6 +162,10 @@ class Scheduler:
     def has_pending_deltas(self) -> bool:
         return bool(self._pending)
 
+    def request_ids(self) -> list[str]:
+        """Every live request: waiting, running or with a token in flight."""
+        return list(self._by_request)
+
     def get(self, request_id: str) -> Sequence | None:
         return self._by_request.get(request_id)
 

@@ -180,3 +180,82 @@ def test_kill_9_during_load(tiny_models, victim):
     assert f"{victim}" in log and "exited" in log
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert s.shm_files() == []
+
+
+def _start_one_by_one(model: str, run_id: str) -> tuple[list[subprocess.Popen], str]:
+    http = free_port()
+    flags = ["--model", model, "--run-id", run_id, "--port", str(http), "--num-kv-blocks", "256",
+             "--max-model-len", "2048", "--dist-init-addr", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    cli = [sys.executable, "-m", "subway.tools.cli"]
+    procs = [
+        subprocess.Popen([*cli, kind, *flags, *(["--rank", "0"] if kind == "worker" else [])])
+        for kind in ("scheduler", "worker", "frontend")
+    ]
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs)
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return procs, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # bounded wait for readiness
+    raise AssertionError("not healthy")
+
+
+def _until(cond, within: float) -> float:
+    """Seconds until `cond()` held; fails past `within`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < within, f"not within {within} s"
+        time.sleep(0.02)  # paces the poll of an outside condition
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim):
+    """No `serve` supervising: the processes themselves notice a death and say so."""
+    run_id = f"f{victim[0]}{free_port()}"
+    procs, url = _start_one_by_one(tiny_models["llama"], run_id)
+    scheduler, worker, frontend = procs
+    ended: list[object] = []
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+                "prompt": "long " * 8, "max_tokens": 1900, "ignore_eos": True, "stream": True,
+            }) as r:  # fmt: skip
+                ended.append("\n".join(r.iter_lines()))
+        except httpx.HTTPError as e:
+            ended.append(e)
+
+    import threading
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        _until(lambda: httpx.get(url + "/metrics").text.count("num_requests_running") > 0, 30)
+        (worker if victim == "worker" else scheduler).kill()
+
+        def health() -> int:
+            return httpx.get(url + "/health", timeout=1).status_code
+
+        assert _until(lambda: health() == 503, 1.5) < 1.5  # "within a second", plus CI noise
+        t.join(10)
+        assert not t.is_alive(), "the in-flight request hung"
+        # It ended with an error event (or a broken connection), not a finished answer.
+        assert ended and (isinstance(ended[0], Exception) or '"error"' in ended[0])
+        survivor = scheduler if victim == "worker" else worker
+        assert survivor.wait(10) == 1  # it noticed, said so, and exited with an error
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert frontend.returncode == 0
+    assert _until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
