@@ -37,6 +37,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     policy: str = "fcfs"
+    static_batch_window_ms: float = 0.0  # `static`: wait this long for a batch to fill
     enable_prefix_caching: bool = True
     overlap: bool = True
     enforce_eager: bool = False  # no CUDA graphs

@@ -28,6 +28,7 @@ within a bounded time after it (the bound is in each class's docstring, and
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -157,17 +158,32 @@ class EDF(Policy):
 class Static(Policy):
     """Classic static batching, the baseline: a batch (the first `max_num_seqs` waiting
     requests) is formed when nothing runs, and nobody else is admitted until every member
-    has finished. Members that are preempted may come back while their batch runs."""
+    has finished. Members that are preempted may come back while their batch runs.
+
+    `window_s`: as static-batching servers do, wait up to this long after the first
+    request arrives at an idle engine for the batch to fill (0: form it at once).
+    """
 
     name = "static"
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = 0.0) -> None:
         self.key = operator.attrgetter("seq_id")
         self.members: set[int] = set()
+        self.window_s = window_s
+        self._idle_since: float | None = None
 
     def begin_step(self, waiting: list[Sequence], num_running: int, max_num_seqs: int) -> None:
-        if num_running == 0 and waiting:
+        if num_running or not waiting or (self.members and any(
+            s.seq_id in self.members for s in waiting
+        )):  # fmt: skip
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if len(waiting) >= max_num_seqs or now - self._idle_since >= self.window_s:
             self.members = {s.seq_id for s in waiting[:max_num_seqs]}
+            self._idle_since = None
 
     def can_admit(self, seq: Sequence) -> bool:
         return seq.seq_id in self.members
@@ -180,6 +196,13 @@ POLICIES: dict[str, type[Policy]] = {
     "edf": EDF,
     "static": Static,
 }
+
+
+def policy_options(config) -> dict[str, Any]:
+    """The options a policy takes from the engine's configuration."""
+    if config.policy == "static":
+        return {"window_s": config.static_batch_window_ms / 1000.0}
+    return {}
 
 
 def make_policy(name: str, **options: Any) -> Policy:

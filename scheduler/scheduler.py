@@ -62,7 +62,7 @@ from subway.ipc.messages import (
     StepResult,
 )
 from subway.scheduler.block_manager import TOKEN_TYPE, BlockManager
-from subway.scheduler.policy import Policy, make_policy
+from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import NEVER, SeqStatus, Sequence
 
 _WAITING = SeqStatus.WAITING
@@ -93,7 +93,7 @@ class Scheduler:
         self.max_model_len = min(max_model_len, pool) if max_model_len > 0 else pool
         self.eos_token_ids = list(eos_token_ids)
         self._eos = frozenset(eos_token_ids)
-        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.policy = policy if policy is not None else make_policy(config.policy, **policy_options(config))
         self.clock = clock
         self.max_num_batched_tokens = max(1, config.max_num_batched_tokens)
         # Every running sequence gets its decode each step: no more running than the budget.

@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
     g.add_argument("--policy", default=d.policy, choices=POLICIES)
+    g.add_argument("--static-batch-window-ms", type=float, default=0.0,
+                   help="--policy static: wait this long for a batch to fill")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-overlap", action="store_true", help="plan each step after the last")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -77,6 +79,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed,
         tensor_parallel_size=a.tensor_parallel_size,
         policy=a.policy,
+        static_batch_window_ms=a.static_batch_window_ms,
         enable_prefix_caching=not a.no_prefix_caching,
         overlap=not a.no_overlap,
         host=a.host,

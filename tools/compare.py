@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     if "static" not in skip:
         dtype = a.subway_dtypes.split(",")[0]
         r = run_subway(
-            f"static-{dtype}", reqs, [*engine_flags, "--dtype", dtype, "--policy", "static"],
+            f"static-{dtype}", reqs, [*engine_flags, "--dtype", dtype, "--policy", "static",
+             "--static-batch-window-ms", "500"],
             a.threads,
         )  # fmt: skip
         m = r["metrics"]
