@@ -42,8 +42,10 @@ class Metrics:
         )
         self.batch_size = gauge("batch_size", "Sequences in the last step.")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free (cached ones included).")
-        self.scheduler_time = gauge("scheduler_step_seconds", "Scheduler time for the last plan.")
-        self.worker_idle = gauge("worker_idle_seconds", "Worker wait for the last plan.")
+        self.scheduler_time = gauge(
+            "scheduler_last_step_seconds", "Scheduler time for the last plan."
+        )
+        self.worker_idle = gauge("worker_idle_last_step_seconds", "Worker wait for the last plan.")
         self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
         self.prefix_hits = counter(
             "prefix_cache_hits", "Prompt tokens served from the prefix cache."
@@ -54,6 +56,12 @@ class Metrics:
         self.success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
         )
+        self.steps = counter("num_steps", "Model steps run.")
+        self.worker_busy = counter("worker_busy_seconds", "Seconds rank 0 spent running steps.")
+        self.worker_idle_total = counter(
+            "worker_idle_seconds", "Seconds rank 0 waited for a plan between steps."
+        )
+        self.scheduler_busy = counter("scheduler_seconds", "Seconds the scheduler spent planning.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
@@ -64,7 +72,8 @@ class Metrics:
             self.running, self.waiting, self.kv_usage, self.batch_size, self.kv_blocks_free,
             self.scheduler_time, self.worker_idle, self.preemptions, self.prefix_hits,
             self.prefix_queries, self.prompt_tokens, self.generation_tokens,
-            self.ttft, self.itl, self.e2e, self.queue_time,
+            self.ttft, self.itl, self.e2e, self.queue_time, self.steps, self.worker_busy,
+            self.worker_idle_total, self.scheduler_busy,
         ):  # fmt: skip
             metric.labels(model_name)  # every series exists from the start, at 0
         for reason in ("stop", "length", "abort"):
@@ -73,6 +82,10 @@ class Metrics:
         self._seen_preemptions = 0
         self._seen_hits = 0
         self._seen_queries = 0
+        self._seen_steps = 0
+        self._seen_busy = 0.0
+        self._seen_idle = 0.0
+        self._seen_sched = 0.0
 
     def observe_stats(self, s: EngineStats) -> None:
         m = self.model_name
@@ -88,6 +101,10 @@ class Metrics:
             (s.num_preempted_total, "_seen_preemptions", self.preemptions),
             (s.prefix_cache_hits_total, "_seen_hits", self.prefix_hits),
             (s.prefix_cache_queries_total, "_seen_queries", self.prefix_queries),
+            (s.num_steps_total, "_seen_steps", self.steps),
+            (s.worker_busy_time_total, "_seen_busy", self.worker_busy),
+            (s.worker_idle_time_total, "_seen_idle", self.worker_idle_total),
+            (s.scheduler_time_total, "_seen_sched", self.scheduler_busy),
         ):
             seen = getattr(self, attr)
             if total_now > seen:

@@ -220,6 +220,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     scheduler_time: float = 0.0  # seconds spent planning the last step
     worker_idle_time: float = 0.0  # seconds the workers waited for the last plan
     step_time: float = 0.0
+    # Running totals since start, for rates and fractions over any interval:
+    num_steps_total: int = 0
+    worker_busy_time_total: float = 0.0  # seconds rank 0 spent running steps
+    worker_idle_time_total: float = 0.0  # seconds rank 0 waited for a plan between steps
+    scheduler_time_total: float = 0.0  # seconds spent in schedule()
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

@@ -93,7 +93,9 @@ class Scheduler:
         self.max_model_len = min(max_model_len, pool) if max_model_len > 0 else pool
         self.eos_token_ids = list(eos_token_ids)
         self._eos = frozenset(eos_token_ids)
-        self.policy = policy if policy is not None else make_policy(config.policy, **policy_options(config))
+        self.policy = (
+            policy if policy is not None else make_policy(config.policy, **policy_options(config))
+        )
         self.clock = clock
         self.max_num_batched_tokens = max(1, config.max_num_batched_tokens)
         # Every running sequence gets its decode each step: no more running than the budget.
@@ -128,6 +130,10 @@ class Scheduler:
         self.last_batch_size = 0
         self.last_num_batched_tokens = 0
         self.last_schedule_time = 0.0
+        self.schedule_time_total = 0.0
+        self.num_steps_total = 0
+        self.worker_busy_total = 0.0
+        self.worker_idle_total = 0.0
         self.last_worker_idle_time = 0.0
         self.last_step_time = 0.0  # set by whoever times the steps (the process loop)
 
@@ -330,6 +336,7 @@ class Scheduler:
         self.last_batch_size = len(steps)
         self.last_num_batched_tokens = self.max_num_batched_tokens - budget
         self.last_schedule_time = time.perf_counter() - t0
+        self.schedule_time_total += self.last_schedule_time
         return plan
 
     def _prefill_and_admit(
@@ -556,6 +563,9 @@ class Scheduler:
             raise ValueError(f"result of step {result.step}, expected {expected}")
         inflight.popleft()
         self.last_worker_idle_time = result.idle_time
+        self.num_steps_total += 1
+        self.worker_busy_total += result.forward_time
+        self.worker_idle_total += result.idle_time
         deltas, self._pending = self._pending, []
         get = self._seqs.get
         append = deltas.append
@@ -680,6 +690,10 @@ class Scheduler:
             scheduler_time=self.last_schedule_time,
             worker_idle_time=self.last_worker_idle_time,
             step_time=self.last_step_time,
+            num_steps_total=self.num_steps_total,
+            worker_busy_time_total=self.worker_busy_total,
+            worker_idle_time_total=self.worker_idle_total,
+            scheduler_time_total=self.schedule_time_total,
         )
 
 

@@ -148,6 +148,10 @@ def test_blocks_return_on_finish_and_disconnect(server):
     assert r.status_code == 200
     m = _blocks_settle(server, total)
     assert m["subway:kv_blocks_free"] == total
+    # The step counters behind the overlap benchmark move with the work done.
+    assert m["subway:num_steps_total"] >= 20  # 20 decodes at least
+    assert m["subway:worker_busy_seconds_total"] > 0
+    assert 0 <= m["subway:worker_idle_seconds_total"]
 
     # A streaming client that goes away mid-answer: its request is aborted and freed.
     with httpx.stream(

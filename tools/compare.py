@@ -18,6 +18,7 @@ against what a static allocation to the longest sequence would have reserved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -73,13 +75,13 @@ class KvSampler(threading.Thread):
                 self.done.wait(0.1)
 
 
-def run_subway(
-    label: str, reqs: list[workload.Request], flags: list[str], threads: int
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def subway_server(label: str, flags: list[str], threads: int) -> Iterator[str]:
+    """A `subway serve` on a free port for the duration of the block; yields its URL."""
     port = _free_port()
     cmd = [sys.executable, "-m", "subway.tools.cli", "serve", "--port", str(port)]
     cmd += ["--threads", str(threads), "--dist-init-addr", f"127.0.0.1:{_free_port()}", *flags]
-    log = open(f"/tmp/subway-compare-{label}.log", "w")
+    log = open(f"/tmp/subway-bench-{label}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -93,6 +95,17 @@ def run_subway(
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def run_subway(
+    label: str, reqs: list[workload.Request], flags: list[str], threads: int
+) -> dict[str, Any]:
+    with subway_server(label, flags, threads) as url:
         # Warm up (first-call costs: kernel build, allocator) outside the measurement.
         bench_serving.benchmark(url, reqs[:2], progress=False, keep_records=False)
         sampler = KvSampler(url + "/metrics")
@@ -104,10 +117,6 @@ def run_subway(
         sampler.join()
         result["kv_peak_usage"] = sampler.peak_used
         return result
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
 
 
 def static_kv_tokens(reqs: list[workload.Request], max_model_len: int) -> int:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every figure in docs/BENCHMARKS.md's serving sections, in one run on a quiet machine:
+#   1. the headline comparison (Subway vs static batching vs transformers), one workload;
+#   2. the Subway rows again, for the run-to-run spread;
+#   3. a request-rate sweep of Subway continuous vs Subway static, with plots.
+# Outputs land in docs/bench/ and docs/img/. Takes about 40 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p docs/bench docs/img
+python -m subway.tools.compare --out docs/bench/compare.json 2>&1 | tee docs/bench/compare.log
+python -m subway.tools.compare --skip static,hf,cb --out docs/bench/compare_repeat.json \
+  2>&1 | tee docs/bench/compare_repeat.log
+
+p1=18101; p2=18102
+subway serve --port $p1 --dtype bfloat16 --threads 2 --max-model-len 2048 \
+  --dist-init-addr 127.0.0.1:18111 > /tmp/sweep-cb.log 2>&1 &
+s1=$!
+subway serve --port $p2 --dtype bfloat16 --threads 2 --max-model-len 2048 --policy static \
+  --static-batch-window-ms 500 --dist-init-addr 127.0.0.1:18112 > /tmp/sweep-static.log 2>&1 &
+s2=$!
+trap 'kill $s1 $s2 2>/dev/null; wait' EXIT
+for port in $p1 $p2; do
+  for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+done
+python -m subway.tools.sweep --url subway=http://127.0.0.1:$p1 \
+  --url subway-static=http://127.0.0.1:$p2 --rates 1,2,4,8,inf --num-requests 32 \
+  --out-dir docs/img 2>&1 | tee docs/bench/sweep.log
