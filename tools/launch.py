@@ -137,6 +137,9 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 ready = True
                 url = f"http://{config.host}:{config.port}"
                 print(f"subway: serving {config.served_model_name} at {url}/v1", flush=True)
+                if config.client_addr != "off":
+                    zmq_addr = config.client_addr or f"ipc://{config.run_dir}/client.sock"
+                    print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
                 if demo:
                     print(f"subway: demo> {DEMO_PROMPT}", flush=True)
                     try:
