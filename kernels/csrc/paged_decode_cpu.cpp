@@ -13,6 +13,26 @@
 #include <limits>
 #include <vector>
 
+// exp for x <= 0 (scores minus their max), vectorisable, relative error ~2e-7:
+// 2^(x log2 e) split into 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5].
+static inline float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = __builtin_roundf(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // Element loads as float. bfloat16 is the top half of a float32: a shift, which vectorises.
 template <typename T>
 static inline void load_row(const T* src, float* dst, int64_t n) {
@@ -62,8 +82,9 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < L; ++t) {
-          sc[t] = std::exp(sc[t] - m);
+          sc[t] = exp_nonpos(sc[t] - m);
           sum += sc[t];
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
