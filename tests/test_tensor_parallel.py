@@ -60,11 +60,13 @@ def _mqa_llama(root: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mqa"])
-def test_two_ranks_match_transformers(tiny_models, tmp_path, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mqa", "default"])
+def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch):
+    """`default` is SmolLM2-135M: 9 query heads in 3 KV groups, split unevenly (2 + 1)."""
     from test_model_equality import _random_prompts, hf_greedy
 
-    path = _mqa_llama(str(tmp_path)) if arch == "mqa" else tiny_models[arch]
+    paths = {**tiny_models, "default": default_model}
+    path = _mqa_llama(str(tmp_path)) if arch == "mqa" else paths[arch]
     with open(os.path.join(path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     prompts = _random_prompts(vocab, LENGTHS, seed=2)

@@ -43,9 +43,9 @@ class QKVParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.num_heads = tp.shard(num_heads, "num_attention_heads")
-        self.kv_start, self.num_kv_heads = tp.kv_heads(num_kv_heads)
-        self.q_start = tp.rank * self.num_heads
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = tp.heads(
+            num_heads, num_kv_heads
+        )
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         out = self.q_size + 2 * self.kv_size
@@ -112,11 +112,15 @@ class RowParallelLinear(nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
+        in_shard: tuple[int, int] | None = None,
     ) -> None:
+        """`in_shard`: (first column, columns) of the input this rank holds; default an even split."""
         super().__init__()
         self.tp = tp
-        n = tp.shard(in_features, "row-parallel input")
-        self.in_shard = (tp.rank * n, n)  # (first column, columns) of the input on this rank
+        if in_shard is None:
+            n = tp.shard(in_features, "row-parallel input")
+            in_shard = (tp.rank * n, n)
+        self.in_shard = in_shard
         self.weight = empty_param((out_features, self.in_shard[1]), dtype, device)
         self.bias = empty_param((out_features,), dtype, device) if bias else None
 

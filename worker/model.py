@@ -46,8 +46,15 @@ class Attention(nn.Module):
             dtype,
             device,
         )
+        q = self.qkv  # o_proj's input columns are this rank's query heads
         self.o_proj = RowParallelLinear(
-            mc.num_heads * mc.head_dim, mc.hidden_size, mc.o_bias, tp, dtype, device
+            mc.num_heads * mc.head_dim,
+            mc.hidden_size,
+            mc.o_bias,
+            tp,
+            dtype,
+            device,
+            in_shard=(q.q_start * mc.head_dim, q.num_heads * mc.head_dim),
         )
         self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None
         self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None

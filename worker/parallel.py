@@ -31,16 +31,33 @@ class TensorParallel:
             )
         return size // self.world_size
 
-    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
-        """(first KV head, KV heads) this rank holds: a shard, or one replicated head."""
+    def split(self, size: int) -> tuple[int, int]:
+        """(first, count) of this rank's part of `size` items, as even as it goes:
+        the first `size % world_size` ranks hold one more."""
+        base, extra = divmod(size, self.world_size)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+        """(first query head, query heads, first KV head, KV heads) on this rank.
+
+        Heads are split by KV-head groups, so that each rank's query heads read
+        only its own KV heads; an uneven count of groups gives some ranks one
+        group more (SmolLM2-135M's 3 KV heads over 2 ranks: 2 and 1). With fewer
+        KV heads than ranks, query heads split evenly and each rank replicates
+        the one KV head its query heads read.
+        """
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads}")
+        group = num_heads // num_kv_heads
         if num_kv_heads >= self.world_size:
-            local = self.shard(num_kv_heads, "num_key_value_heads")
-            return self.rank * local, local
+            kv_start, kv = self.split(num_kv_heads)
+            return kv_start * group, kv * group, kv_start, kv
         if self.world_size % num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size {self.world_size} is not a multiple of num_key_value_heads {num_kv_heads}"
             )
-        return self.rank * num_kv_heads // self.world_size, 1
+        q = self.shard(num_heads, "num_attention_heads")
+        return self.rank * q, q, self.rank * num_kv_heads // self.world_size, 1
 
 
 def init_distributed(world_size: int, rank: int, init_addr: str, device: torch.device) -> None:
