@@ -116,6 +116,7 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.error: str | None = None
         self._last_seen = 0.0
+        self.draining = False  # set on SIGTERM: no new requests; in-flight ones finish
         self._queues: dict[str, asyncio.Queue] = {}
         self._unstarted: set[str] = set()  # submitted, no delta yet: waiting (or prefilling)
         self._runs: dict[str, int] = {}  # request id -> offset of its prompt in shm
@@ -227,6 +228,8 @@ class EngineClient:
         Raises EngineDeadError if the engine cannot serve. Whoever holds the
         stream must close it (it aborts the request if unfinished).
         """
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
         if not self.ready or self._push is None:
             raise EngineDeadError(self.error or "the engine is not ready")
         if request_id in self._queues:
@@ -292,6 +295,18 @@ class EngineClient:
             with contextlib.suppress(EngineDeadError):
                 self._send(AbortRequest(request_id=request_id))
             self._release_later(request_id)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight: the scheduler drops them, and each stream ends
+        at once with finish_reason "abort" (at shutdown, when the drain has timed out)."""
+        live = list(self._queues)
+        for request_id in live:
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequest(request_id=request_id))
+            self._queues[request_id].put_nowait(
+                RequestDelta(request_id=request_id, token_ids=[], finish_reason="abort")
+            )
+        return len(live)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its stream (it then ends with an EngineDeadError)."""

@@ -12,6 +12,7 @@ Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -116,6 +117,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if engine.healthy:
             return Response(status_code=200)
         reason = engine.error or ("engine not ready" if not engine.ready else "engine silent")
@@ -180,7 +183,9 @@ def run_frontend(config: EngineConfig) -> int:
     tokenizer = load_tokenizer(config)
     engine = EngineClient(config)
     app = build_app(config, engine, tokenizer)
-    server = uvicorn.Server(
+    server = DrainingServer(
+        engine,
+        config.shutdown_timeout,
         uvicorn.Config(
             app,
             host=config.host,
@@ -190,8 +195,8 @@ def run_frontend(config: EngineConfig) -> int:
             h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES,
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=max(1, int(config.shutdown_timeout)),
-        )
+            timeout_graceful_shutdown=2,  # the drain happened before uvicorn is told to stop
+        ),
     )
     # uvicorn handles SIGTERM/SIGINT (stop accepting, drain, run the lifespan's exit), then
     # re-raises the signal to the handlers it found: make those no-ops so we return a code.
@@ -209,3 +214,40 @@ def run_frontend(config: EngineConfig) -> int:
 
 def _ignore(signum: int, frame: object) -> None:
     pass
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before it stops: on SIGTERM/SIGINT new requests get 503 and
+    `/health` says draining, in-flight requests may finish for `drain_timeout` seconds,
+    then the rest are aborted (their streams end with finish_reason "abort") and the
+    server stops. A second signal stops it at once."""
+
+    def __init__(self, engine: EngineClient, drain_timeout: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.engine.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.engine.draining = True
+        log.info("draining: %d requests in flight", self.engine.num_in_flight)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        engine, loop = self.engine, asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.info("drain timed out: aborting %d requests", engine.abort_all())
+            deadline = loop.time() + 3.0  # their abort deltas come within a step or two
+            while engine.num_in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        self.should_exit = True

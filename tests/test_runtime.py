@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -259,3 +260,37 @@ def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim)
                 p.kill()
     assert frontend.returncode == 0
     assert _until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
+
+
+@pytest.mark.parametrize("timeout", [1.0, 0.0])
+def test_sigterm_drains_then_aborts(tiny_models, timeout):
+    """SIGTERM: new requests get 503, in-flight ones may finish for --shutdown-timeout
+    seconds, the rest end with finish_reason "abort", and everything exits cleanly."""
+    s = Server(tiny_models["llama"], "--shutdown-timeout", str(timeout), "--num-kv-blocks", "256",
+               "--max-model-len", "2048")  # fmt: skip
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+            "prompt": "drain " * 8, "max_tokens": 1900, "ignore_eos": True, "stream": True,
+        }) as r:  # fmt: skip
+            lines.extend(r.iter_lines())
+
+    import threading
+
+    t = threading.Thread(target=stream)
+    t.start()
+    _until(lambda: s.metrics().get("subway:num_requests_running", 0) >= 1, 30)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    if timeout > 0:  # while it drains: no new work, and /health says so
+        _until(lambda: httpx.get(s.url + "/health").status_code == 503, 2)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    t.join(30)
+    assert not t.is_alive()
+    assert s.proc.wait(30) == 0
+    assert time.monotonic() - t0 < timeout + 8
+    last = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert s.shm_files() == []
