@@ -21,6 +21,7 @@ fi
 model=$(python -c "from subway.worker.default_model import ensure_default_model as e; print(e())")
 gguf="$root/SmolLM2-135M-Instruct-bf16.gguf"
 if [ ! -f "$gguf" ]; then
+  python -m pip install --quiet sentencepiece  # llama.cpp's converter imports it
   PYTHONPATH="$root/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py" python \
     "$root/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
     --outtype bf16 --outfile "$gguf" >/dev/null
