@@ -60,7 +60,9 @@ class OfflineEngine:
             top_logprobs=out.top_logprobs,
         )
 
-    def run(self, outputs: dict[str, Output], overlap: bool = False, abort_after: dict | None = None):
+    def run(
+        self, outputs: dict[str, Output], overlap: bool = False, abort_after: dict | None = None
+    ):
         """Step until no work is left, collecting deltas into `outputs` (request id -> Output)."""
         pending = None  # (plan, output) whose result the scheduler has not seen yet
         while True:
