@@ -32,13 +32,14 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> Reference:
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
+        eos_token_id=None,  # exact lengths: EOS is an ordinary token here
         do_sample=False,
-        output_scores=True,
+        output_logits=True,  # raw logits: the top-5 a near-tie is judged by
         return_dict_in_generate=True,
         pad_token_id=0,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    top5 = [s[0].topk(5).indices.tolist() for s in out.scores]
+    top5 = [s[0].topk(5).indices.tolist() for s in out.logits]
     return Reference(tokens, top5)
 
 

@@ -18,6 +18,8 @@ import torch
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import NewSeq, Plan, SamplingParams, SeqStep, TokenRef
 
+import reference
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, logprobs=5)
 BLOCK_SIZE = 4
 
@@ -118,27 +120,9 @@ class MiniPlanner:
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list]]:
-    """(tokens, per-step top-5 ids) of transformers' greedy generate, EOS ignored."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    results = []
-    for prompt in prompts:
-        with torch.no_grad():
-            g = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        tops = [step[0].topk(5).indices.tolist() for step in g.logits]
-        results.append((g.sequences[0, len(prompt) :].tolist(), tops))
-    return results
+    """(tokens, per-step top-5 ids) of transformers' greedy generate, EOS ignored, per prompt."""
+    refs = (reference.hf_greedy(path, p, max_new) for p in prompts)
+    return [(r.tokens, r.top5) for r in refs]
 
 
 def compare(planner: MiniPlanner, expected: list[tuple[list[int], list]]) -> int:
