@@ -11,7 +11,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // exp for x <= 0 (scores minus their max), vectorisable, relative error ~2e-7:
 // 2^(x log2 e) split into 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5].
@@ -108,9 +112,129 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
   });
 }
 
+
+#if defined(__AVX512F__)
+// The fast path, AVX-512: head_dim a multiple of 16 (NC chunks of 16 floats) and up to 128.
+// One work item is one (sequence, KV head) and its G query heads. Each block of BS keys is
+// converted to float once into a small tile, then every query head of the group reads it
+// from L1: the scores with one FMA chain and one horizontal sum per key, the values with
+// NC accumulators per query head held in registers across the block.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T, int NC>
+static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                                 const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                                 int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), tile(BS * D), scores, acc(G * D);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t s = idx / KVH, h = idx % KVH;
+      const int64_t L = ctx[s];
+      const int32_t* table = tables + s * max_blocks;
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int64_t g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(qf.data() + g * D + c * 16,
+                           _mm512_mul_ps(load16(q + (s * H + h * G + g) * D + c * 16), vscale));
+      scores.resize(G * L);
+      // Scores q.k for every key.
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t nt = std::min(BS, L - t0);
+        const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h * D;
+        for (int64_t j = 0; j < nt; ++j)
+          for (int c = 0; c < NC; ++c)
+            _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(kb + j * row + c * 16));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 qg[NC];
+          for (int c = 0; c < NC; ++c) qg[c] = _mm512_loadu_ps(qf.data() + g * D + c * 16);
+          float* sc = scores.data() + g * L + t0;
+          for (int64_t j = 0; j < nt; ++j) {
+            const float* k = tile.data() + j * D;
+            __m512 a = _mm512_mul_ps(qg[0], _mm512_loadu_ps(k));
+            for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(k + c * 16), a);
+            sc[j] = _mm512_reduce_add_ps(a);
+          }
+        }
+      }
+      // Softmax per query head, normalised before the values (as the generic kernel does).
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+          sc[t] = exp_nonpos(sc[t] - m);
+          sum += sc[t];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+      }
+      // Weighted sum of the values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t nt = std::min(BS, L - t0);
+        const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h * D;
+        for (int64_t j = 0; j < nt; ++j)
+          for (int c = 0; c < NC; ++c)
+            _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(vb + j * row + c * 16));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 a[NC];
+          for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc.data() + g * D + c * 16);
+          const float* p = scores.data() + g * L + t0;
+          for (int64_t j = 0; j < nt; ++j) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            const float* v = tile.data() + j * D;
+            for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), a[c]);
+          }
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc.data() + g * D + c * 16, a[c]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          out[(s * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+    }
+  });
+}
+
+static constexpr bool kHaveAvx512 = true;
+#else
+static constexpr bool kHaveAvx512 = false;
+#endif
+
+// The fast kernel where the machine and the head size allow, else the generic one.
+template <typename T>
+static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                     const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                     int64_t BS, int64_t max_blocks, float scale, bool generic) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (!generic) switch (D) {
+      case 16: return decode_kernel_avx512<T, 1>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      default: break;
+    }
+  }
+#endif
+  decode_kernel<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale);
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
-                           double scale) {
+                           double scale, bool generic) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
@@ -124,14 +248,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode: head shapes do not match");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                            context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), n, H,
-                            KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+    dispatch<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                       v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                       context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), n, H, KVH, D,
+                       BS, block_tables.size(1), static_cast<float>(scale), generic);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("generic") = false);
+  m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
 }
