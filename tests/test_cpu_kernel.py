@@ -52,3 +52,35 @@ def test_fast_path_compiled_here():
     with open("/proc/cpuinfo") as f:
         has = " avx512f " in f.read().replace("\n", " ")
     assert ext.has_avx512() == has
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    from subway.worker.layers import linear, pack_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 48, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(rows, 48, generator=gen).to(dtype)
+    packed = pack_weight(w, 64)
+    assert packed is not None  # oneDNN is part of every x86 CPU build of torch
+    for bias in (None, b):
+        got = linear(x, w, bias, packed)
+        want = torch.nn.functional.linear(x, w, bias)
+        assert got.dtype == dtype and got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)  # the same oneDNN kernel, without the per-call reorder
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_packs_its_linear_layers(tiny_models):
+    from subway.ipc.config import EngineConfig
+    from subway.worker.layers import PackedLinear
+    from subway.worker.runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=tiny_models["llama"], num_kv_blocks=8))
+    layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.packed is not None for m in layers)
+    assert runner.model.lm_head_packed is not None

@@ -18,10 +18,13 @@ from subway.kernels.dispatch import apply_rope, paged_attention, silu_and_mul, w
 from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
 from subway.worker.layers import (
     MergedColumnParallelLinear,
+    PackedLinear,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     empty_param,
+    linear,
+    pack_weight,
 )
 from subway.worker.model_config import ModelConfig
 from subway.worker.parallel import TensorParallel
@@ -174,7 +177,20 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head, None, self.lm_head_packed)
+
+    lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self, batch_hint: int) -> bool:
+        """Packed copies of every linear weight and the lm_head, after loading (CPU only)."""
+        ok = all(m.pack(batch_hint) for m in self.modules() if isinstance(m, PackedLinear))
+        self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
+        if not ok or self.lm_head_packed is None:
+            for m in self.modules():
+                if isinstance(m, PackedLinear):
+                    m.packed = None
+            return False
+        return True
 
     # ------------------------------------------------------------------ weights
 

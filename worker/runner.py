@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,8 @@ class ModelRunner:
         self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len)
         load_weights(self.model, self.path)
         self.model.eval()
+        if self.device.type == "cpu" and os.environ.get("SUBWAY_PACK_WEIGHTS", "1") != "0":
+            self.model.pack_weights(config.max_num_seqs)  # oneDNN layout: see layers.pack_weight
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (mc.num_layers, attn.num_kv_heads, mc.head_dim)
         self.num_blocks = self._count_blocks()
