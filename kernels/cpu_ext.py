@@ -13,6 +13,7 @@ import threading
 
 log = logging.getLogger("subway.kernels")
 
+SOURCES = ("paged_decode_cpu.cpp", "ops_cpu.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -37,11 +38,11 @@ def load():
             try:
                 from torch.utils import cpp_extension
 
-                src = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_cpu.cpp")
+                csrc = os.path.join(os.path.dirname(__file__), "csrc")
                 module = cpp_extension.load(
                     name="subway_cpu_kernels",
-                    sources=[src],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    sources=[os.path.join(csrc, f) for f in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=_build_dir(),
                     verbose=False,

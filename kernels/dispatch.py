@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from subway.kernels import attention as _ref_attention
+from subway.kernels import cpu_ext
 from subway.kernels import ops as _ref_ops
 from subway.kernels.attention import AttentionMetadata
 
@@ -57,6 +58,11 @@ def _use_triton(x: torch.Tensor) -> bool:
     if not m or m == "auto":
         return x.is_cuda and triton_available()
     return backend(x.device) == "triton"
+
+
+def _cpu(x: torch.Tensor):
+    """The compiled CPU ops (`kernels/csrc/ops_cpu.cpp`) for a CPU tensor, else None."""
+    return cpu_ext.load() if x.device.type == "cpu" else None
 
 
 def _attention() -> ModuleType:
@@ -99,6 +105,10 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _ops().rms_norm(x, weight, eps, residual)
+    ext = _cpu(x)
+    if ext is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        out = ext.rms_norm(x, residual, weight, eps)
+        return out[0] if residual is None else (out[0], out[1])
     return _ref_ops.rms_norm(x, weight, eps, residual)
 
 
@@ -114,3 +124,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _ops().silu_and_mul(x)
     return _ref_ops.silu_and_mul(x)
+
+
+def rope_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`apply_rope` then `write_kv` of the rotated k and v; returns the rotated q.
+
+    On the CPU one compiled call does both (q, k, v may be strided views of the qkv output).
+    """
+    ext = None if _use_triton(q) else _cpu(q)
+    if ext is not None and q.dtype == k_cache.dtype == cos_sin_cache.dtype:
+        return ext.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    q, k = apply_rope(q, k, positions, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q

@@ -84,3 +84,55 @@ def test_runner_packs_its_linear_layers(tiny_models):
     layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.packed is not None for m in layers)
     assert runner.model.lm_head_packed is not None
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bfloat16 units in the last place (same-sign values)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_rms_norm_matches_reference(dtype, rows):
+    from subway.kernels.ops import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    res = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    (plain,) = ext.rms_norm(x, None, w, 1e-5)
+    out, new_res = ext.rms_norm(x, res, w, 1e-5)
+    ref_plain = rms_norm(x, w, 1e-5)
+    ref_out, ref_res = rms_norm(x, w, 1e-5, res)
+    assert torch.equal(new_res, ref_res)  # the residual add rounds exactly as torch does
+    if dtype == torch.bfloat16:  # only the float32 sum's order differs: at most one ulp
+        assert _ulps_bf16(plain, ref_plain) <= 1 and _ulps_bf16(out, ref_out) <= 1
+        assert (plain != ref_plain).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(plain, ref_plain, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_reference(dtype):
+    """q, k, v as the model passes them: strided views of one qkv projection."""
+    from subway.kernels.attention import write_kv
+    from subway.kernels.ops import apply_rope, rope_cos_sin_cache, rope_inv_freq
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, d, bs, blocks = 13, 6, 2, 32, 4, 16
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(n, heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+    positions = torch.randint(0, 500, (n,), generator=gen)
+    slots = torch.randperm(blocks * bs, generator=gen)[:n]
+    cache = rope_cos_sin_cache(rope_inv_freq(d, 10000.0), 512, dtype, "cpu")
+    kc, vc = torch.zeros(blocks, bs, kv_heads, d, dtype=dtype), None
+    kc2, vc = kc.clone(), torch.zeros_like(kc)
+    vc2 = vc.clone()
+    got_q = ext.rope_write_kv(q, k, v, positions, cache, kc, vc, slots)
+    want_q, want_k = apply_rope(q, k, positions, cache)
+    write_kv(want_k, v, kc2, vc2, slots)
+    assert torch.equal(got_q, want_q)  # the same roundings in the same order
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)

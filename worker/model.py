@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from subway.kernels.attention import AttentionMetadata
-from subway.kernels.dispatch import apply_rope, paged_attention, silu_and_mul, write_kv
+from subway.kernels.dispatch import paged_attention, rope_and_write_kv, silu_and_mul
 from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
 from subway.worker.layers import (
     MergedColumnParallelLinear,
@@ -78,9 +78,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = apply_rope(q, k, positions, rope_cache)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        q = rope_and_write_kv(q, k, v, positions, rope_cache, k_cache, v_cache, md.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.view(n, -1))
 

@@ -1,0 +1,169 @@
+// Fused elementwise ops of the Llama family for the CPU: one call where the PyTorch
+// reference makes five to ten, each allocating its result. At decode batch sizes the
+// per-op overhead, not the arithmetic, is what these ops cost.
+//
+// They round where Hugging Face's eager code rounds: every intermediate that transformers
+// holds in the model dtype is rounded to it here too (`rnd`), so bfloat16 results match the
+// reference bit for bit except where a float32 sum's order differs (the RMS mean).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+// Rows per parallel task: elementwise work on a few rows is cheaper on one thread.
+static constexpr int64_t kGrain = 64;
+
+// Per-element conversions on the raw storage: bfloat16 as uint16_t bits, so that the loops
+// below vectorise.
+template <typename T>
+struct Raw {
+  using S = T;
+  static float get(S x) { return static_cast<float>(x); }
+  static S put(float f) { return static_cast<S>(f); }
+};
+template <>
+struct Raw<c10::BFloat16> {
+  using S = uint16_t;
+  static float get(S x) {
+    const uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+  static S put(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : static_cast<uint16_t>(r);
+  }
+};
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)); with residual: x = x + residual first, and the
+// sum is also returned as the new residual stream.
+template <typename T>
+static void rms_norm_rows(const T* xt, const T* rt, const T* wt, T* outt, T* nrt, int64_t n,
+                          int64_t hidden, float eps) {
+  using R = Raw<T>;
+  using S = typename R::S;
+  const S* x = reinterpret_cast<const S*>(xt);
+  const S* res = reinterpret_cast<const S*>(rt);
+  const S* w = reinterpret_cast<const S*>(wt);
+  S* out = reinterpret_cast<S*>(outt);
+  S* new_res = reinterpret_cast<S*>(nrt);
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(hidden);
+    float* hp = h.data();
+    for (int64_t i = begin; i < end; ++i) {
+      const S* xr = x + i * hidden;
+      if (res != nullptr) {
+        const S* rr = res + i * hidden;
+        S* nr = new_res + i * hidden;
+#pragma omp simd
+        for (int64_t j = 0; j < hidden; ++j) {
+          const S s = R::put(R::get(xr[j]) + R::get(rr[j]));
+          nr[j] = s;
+          hp[j] = R::get(s);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < hidden; ++j) hp[j] = R::get(xr[j]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < hidden; ++j) ss += hp[j] * hp[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      S* o = out + i * hidden;
+#pragma omp simd
+      for (int64_t j = 0; j < hidden; ++j)
+        o[j] = R::put(R::get(w[j]) * R::get(R::put(hp[j] * inv)));
+    }
+  });
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                    torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: dtypes differ");
+  const int64_t hidden = x.size(-1), n = x.numel() / hidden;
+  auto out = torch::empty_like(x);
+  torch::Tensor new_res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual");
+    new_res = torch::empty_like(x);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(
+        x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        residual ? new_res.data_ptr<scalar_t>() : nullptr, n, hidden, static_cast<float>(eps));
+  });
+  if (residual.has_value()) return {out, new_res};
+  return {out};
+}
+
+// Rotary embedding ("rotate_half") of one head vector, HF's rounding:
+// out = round(round(x * cos) + round(rotate_half(x) * sin)).
+template <typename T>
+static inline void rope_head(const T* xt, const T* cst, T* outt, int64_t D) {
+  using R = Raw<T>;
+  using S = typename R::S;
+  const S* x = reinterpret_cast<const S*>(xt);
+  const S* c = reinterpret_cast<const S*>(cst);  // cos of the half frequencies, then sin
+  S* out = reinterpret_cast<S*>(outt);
+  const int64_t half = D / 2;
+  const auto rnd = [](float f) { return R::get(R::put(f)); };
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = R::get(x[i]), x2 = R::get(x[i + half]);
+    const float ci = R::get(c[i]), si = R::get(c[i + half]);
+    out[i] = R::put(rnd(x1 * ci) + rnd(-x2 * si));
+    out[i + half] = R::put(rnd(x2 * ci) + rnd(x1 * si));
+  }
+}
+
+// q [n, H, D], k/v [n, KVH, D] (any token and head strides, unit last stride). Returns q
+// rotated, contiguous; writes rotated k and v to the caches at `slots` (slot s: block s / BS,
+// offset s % BS of a [num_blocks, BS, KVH, D] cache).
+torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                            torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rope_write_kv: q, k, v are 3-d");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit last stride");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64,
+              "positions and slots are int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
+              "caches contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == cos_sin.scalar_type(),
+              "rope_write_kv: dtypes differ");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D && k_cache.size(3) == D &&
+                  k_cache.size(2) == KVH,
+              "rope_write_kv: shapes do not match");
+  positions = positions.contiguous();
+  slots = slots.contiguous();
+  auto out = torch::empty({n, H, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_write_kv", [&] {
+    using T = scalar_t;
+    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    const T* cs = cos_sin.data_ptr<T>();
+    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>(), *op = out.data_ptr<T>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+    const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* c = cs + pos[t] * D;
+        for (int64_t h = 0; h < H; ++h) rope_head<T>(qp + t * qs0 + h * qs1, c, op + (t * H + h) * D, D);
+        const int64_t slot = sl[t];
+        for (int64_t h = 0; h < KVH; ++h) {
+          rope_head<T>(kp + t * ks0 + h * ks1, c, kc + (slot * KVH + h) * D, D);
+          std::memcpy(vc + (slot * KVH + h) * D, vp + t * vs0 + h * vs1, D * sizeof(T));
+        }
+      }
+    });
+  });
+  return out;
+}
+
