@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -128,6 +129,79 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Ask for the next block's rows of one head while this block is computed: blocks are
+// scattered, so the hardware prefetcher cannot follow from one block to the next.
+template <typename T>
+static inline void prefetch_block(const T* first_row, int64_t rows, int64_t row_stride,
+                                  int64_t row_bytes) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const char* p = reinterpret_cast<const char*>(first_row + j * row_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j]: four add levels of a transpose
+// tree instead of sixteen horizontal sums. The levels leave the tokens in the lane order
+// 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15, which the final permutation undoes.
+static inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(a[j], a[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    c[j] = _mm512_add_ps(_mm512_unpacklo_ps(b[j], b[j + 2]), _mm512_unpackhi_ps(b[j], b[j + 2]));
+  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
+  const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// The scores of up to 16 keys (rows of `kb`, `row` elements apart) against one query head.
+// bfloat16 with AVX512-BF16: pairwise dot products straight from the cache (q unscaled in
+// bfloat16, the scale applied to the sums); otherwise from the float tile, q pre-scaled.
+template <typename T, int NC>
+static inline __m512 block_scores(const T* kb, int64_t row, const float* tile, const float* qf,
+                                  const T* qraw, float scale, int64_t nt) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NC % 2 == 0) {
+    __m512 part[16];
+    __m512bh qb[NC / 2];
+    for (int c = 0; c < NC / 2; ++c)
+      qb[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qraw + c * 32));
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      if (j < nt)
+        for (int c = 0; c < NC / 2; ++c)
+          a = _mm512_dpbf16_ps(
+              a, qb[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kb + j * row + c * 32)));
+      part[j] = a;
+    }
+    return _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+  }
+#endif
+  constexpr int64_t D = NC * 16;
+  __m512 qg[NC];
+  for (int c = 0; c < NC; ++c) qg[c] = _mm512_loadu_ps(qf + c * 16);
+  alignas(64) float out[16] = {};
+  for (int64_t j = 0; j < nt; ++j) {  // (measured: the tree is slower here than per-key sums)
+    __m512 a = _mm512_mul_ps(qg[0], _mm512_loadu_ps(tile + j * D));
+    for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(tile + j * D + c * 16), a);
+    out[j] = _mm512_reduce_add_ps(a);
+  }
+  return _mm512_load_ps(out);
+}
+
+template <typename T, int NC>
+#if defined(__AVX512BF16__)
+static constexpr bool kDirectScores = std::is_same_v<T, c10::BFloat16> && NC % 2 == 0;
+#else
+static constexpr bool kDirectScores = false;
+#endif
+
 template <typename T, int NC>
 static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int32_t* tables,
                                  const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
@@ -135,10 +209,19 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
   constexpr int64_t D = NC * 16;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Longest contexts first, handed out one at a time: contexts of a batch differ by 100x, and
+  // an even split of the items leaves one thread waiting for the other.
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
+  const int64_t items = n * KVH;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)))
+  {
     std::vector<float> qf(G * D), tile(BS * D), scores, acc(G * D);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = idx / KVH, h = idx % KVH;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < items; ++k) {
+      const int64_t s = order[k / KVH], h = k % KVH;
       const int64_t L = ctx[s];
       const int32_t* table = tables + s * max_blocks;
       const __m512 vscale = _mm512_set1_ps(scale);
@@ -151,18 +234,22 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
         const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h * D;
-        for (int64_t j = 0; j < nt; ++j)
-          for (int c = 0; c < NC; ++c)
-            _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(kb + j * row + c * 16));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 qg[NC];
-          for (int c = 0; c < NC; ++c) qg[c] = _mm512_loadu_ps(qf.data() + g * D + c * 16);
-          float* sc = scores.data() + g * L + t0;
-          for (int64_t j = 0; j < nt; ++j) {
-            const float* k = tile.data() + j * D;
-            __m512 a = _mm512_mul_ps(qg[0], _mm512_loadu_ps(k));
-            for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(k + c * 16), a);
-            sc[j] = _mm512_reduce_add_ps(a);
+        if (t0 + BS < L)
+          prefetch_block(kc + (int64_t)table[t0 / BS + 1] * BS * row + h * D,
+                         std::min(BS, L - t0 - BS), row, D * (int64_t)sizeof(T));
+        constexpr bool direct = kDirectScores<T, NC>;
+        if (!direct)
+          for (int64_t j = 0; j < nt; ++j)
+            for (int c = 0; c < NC; ++c)
+              _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(kb + j * row + c * 16));
+        for (int64_t j0 = 0; j0 < nt; j0 += 16) {  // blocks larger than 16: in pieces of 16
+          const int64_t m = std::min<int64_t>(16, nt - j0);
+          const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1u);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 sc =
+                block_scores<T, NC>(kb + j0 * row, row, tile.data() + j0 * D, qf.data() + g * D,
+                                    q + (s * H + h * G + g) * D, scale, m);
+            _mm512_mask_storeu_ps(scores.data() + g * L + t0 + j0, valid, sc);
           }
         }
       }
@@ -186,6 +273,9 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
         const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h * D;
+        if (t0 + BS < L)
+          prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h * D,
+                         std::min(BS, L - t0 - BS), row, D * (int64_t)sizeof(T));
         for (int64_t j = 0; j < nt; ++j)
           for (int c = 0; c < NC; ++c)
             _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(vb + j * row + c * 16));
@@ -205,7 +295,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
         for (int64_t d = 0; d < D; ++d)
           out[(s * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
-  });
+  }
 }
 
 static constexpr bool kHaveAvx512 = true;
