@@ -318,8 +318,13 @@ def test_sweep_against_fake_servers(tokenizer, tmp_path) -> None:
         data = sweep.sweep(
             sweep.parse_urls([f"fast={a.url}", f"slow={b.url}"]),
             sweep.parse_rates("20,inf"),
-            lambda rate: workload.generate(
-                tokenizer, num_requests=3, rate=rate, mean_prompt_tokens=20, max_output_tokens=16
+            lambda rate, i: workload.generate(
+                tokenizer,
+                num_requests=3,
+                seed=i,
+                rate=rate,
+                mean_prompt_tokens=20,
+                max_output_tokens=16,
             ),
             str(tmp_path),
             progress=False,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from subway.tools import bench_serving, workload
-from subway.tools.compare import subway_server
+from subway.tools.compare import subway_server, warmup_requests
 
 COUNTERS = (
     "subway:num_steps_total",
@@ -35,7 +35,7 @@ def counters(url: str) -> dict[str, float]:
 
 def measure(label: str, reqs: list[workload.Request], flags: list[str], threads: int) -> dict:
     with subway_server(label, flags, threads) as url:
-        bench_serving.benchmark(url, reqs[:2], progress=False, keep_records=False)  # warm up
+        bench_serving.benchmark(url, warmup_requests(), progress=False, keep_records=False)
         before = counters(url)
         r = bench_serving.benchmark(url, reqs, progress=False, keep_records=False)
         after = counters(url)

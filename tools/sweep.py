@@ -68,11 +68,13 @@ def sweep(
     slo: Slo | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every system at every rate; `make_workload(rate)` returns the requests for a rate."""
+    """Run every system at every rate; `make_workload(rate, i)` returns the requests of the
+    i-th rate. Each rate should get its own prompts: the servers keep their prefix caches
+    from one rate to the next."""
     os.makedirs(out_dir, exist_ok=True)
     systems: dict[str, list[dict[str, Any]]] = {label: [] for label in urls}
-    for rate in rates:
-        reqs = make_workload(rate)
+    for i, rate in enumerate(rates):
+        reqs = make_workload(rate, i)
         save_jsonl(reqs, os.path.join(out_dir, f"workload-rate-{rate:g}.jsonl"))
         for label, url in urls.items():
             print(f"== {label} at {rate:g} req/s ({url})", flush=True)
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     data = sweep(
         urls,
         parse_rates(a.rates),
-        lambda rate: workload_from_args(a, tok, rate=rate),
+        lambda rate, i: workload_from_args(a, tok, rate=rate, seed=a.seed + i),
         a.out_dir,
         a.max_concurrency,
         Slo(a.slo_ttft_ms, a.slo_tpot_ms),
