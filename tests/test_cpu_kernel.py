@@ -23,11 +23,15 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
     [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128), (6, 2, 24)],  # 24: no fast path
 )
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize(
+    "contexts",
+    [[1, 15, 16, 17, 33, 64, 100, 250], [250, 17]],  # work per sequence; per (sequence, head)
+)
+def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, contexts):
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(1)
     num_blocks = 160
-    ctx = np.array([1, 15, 16, 17, 33, 64, 100, 250], dtype=np.int64)
+    ctx = np.array(contexts, dtype=np.int64)
     max_blocks = int(-(-ctx.max() // block_size))
     tables = rng.permutation(num_blocks)[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks)
     tables = tables.astype(np.int32)

@@ -1,5 +1,5 @@
 // Paged decode attention for the CPU: one query token per sequence, keys and values read
-// in place from the block-paged caches (no gather copy), GQA, online over the context.
+// in place from the block-paged caches (no gather copy), GQA; scores, softmax, then values.
 //
 // q            [n, num_heads, head_dim]
 // k_cache      [num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
@@ -164,8 +164,8 @@ static inline __m512 sum_lanes16(const __m512* v) {
 // bfloat16 with AVX512-BF16: pairwise dot products straight from the cache (q unscaled in
 // bfloat16, the scale applied to the sums); otherwise from the float tile, q pre-scaled.
 template <typename T, int NC>
-static inline __m512 block_scores(const T* kb, int64_t row, const float* tile, const float* qf,
-                                  const T* qraw, float scale, int64_t nt) {
+static inline __m512 block_scores(const T* kb, int64_t row, const float* tile, int64_t tile_row,
+                                  const float* qf, const T* qraw, float scale, int64_t nt) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && NC % 2 == 0) {
     __m512 part[16];
@@ -183,13 +183,13 @@ static inline __m512 block_scores(const T* kb, int64_t row, const float* tile, c
     return _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
   }
 #endif
-  constexpr int64_t D = NC * 16;
   __m512 qg[NC];
   for (int c = 0; c < NC; ++c) qg[c] = _mm512_loadu_ps(qf + c * 16);
   alignas(64) float out[16] = {};
   for (int64_t j = 0; j < nt; ++j) {  // (measured: the tree is slower here than per-key sums)
-    __m512 a = _mm512_mul_ps(qg[0], _mm512_loadu_ps(tile + j * D));
-    for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(tile + j * D + c * 16), a);
+    const float* k = tile + j * tile_row;
+    __m512 a = _mm512_mul_ps(qg[0], _mm512_loadu_ps(k));
+    for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(k + c * 16), a);
     out[j] = _mm512_reduce_add_ps(a);
   }
   return _mm512_load_ps(out);
@@ -207,55 +207,64 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
                                  const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
                                  int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
+  constexpr bool direct = kDirectScores<T, NC>;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
-  // Longest contexts first, handed out one at a time: contexts of a batch differ by 100x, and
-  // an even split of the items leaves one thread waiting for the other.
+  // One work item is a sequence with all its KV heads, so that each block is read as one
+  // contiguous run (the heads of a token are adjacent); with fewer sequences than two per
+  // thread, one (sequence, KV head) each, so that every thread has work. Longest contexts
+  // first, handed out one at a time: contexts of a batch differ by 100x.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
+  const int64_t hp = KVH / split;                     // KV heads per item
+  const int64_t items = n * split;
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
-  const int64_t items = n * KVH;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)))
+  const int64_t run_bytes = hp * D * (int64_t)sizeof(T);  // one token's heads of an item
+#pragma omp parallel num_threads(std::min<int64_t>(threads, items))
   {
-    std::vector<float> qf(G * D), tile(BS * D), scores, acc(G * D);
+    std::vector<float> qf(hp * G * D), tile(BS * hp * D), scores, acc(hp * G * D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < items; ++k) {
-      const int64_t s = order[k / KVH], h = k % KVH;
+      const int64_t s = order[k / split], h0 = (k % split) * hp;
       const int64_t L = ctx[s];
       const int32_t* table = tables + s * max_blocks;
+      const T* qs = q + (s * H + h0 * G) * D;  // this item's hp * G query heads, in order
       const __m512 vscale = _mm512_set1_ps(scale);
-      for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < hp * G; ++i)
         for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(qf.data() + g * D + c * 16,
-                           _mm512_mul_ps(load16(q + (s * H + h * G + g) * D + c * 16), vscale));
-      scores.resize(G * L);
+          _mm512_storeu_ps(qf.data() + i * D + c * 16,
+                           _mm512_mul_ps(load16(qs + i * D + c * 16), vscale));
+      scores.resize(hp * G * L);
       // Scores q.k for every key.
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
-        const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h * D;
+        const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
         if (t0 + BS < L)
-          prefetch_block(kc + (int64_t)table[t0 / BS + 1] * BS * row + h * D,
-                         std::min(BS, L - t0 - BS), row, D * (int64_t)sizeof(T));
-        constexpr bool direct = kDirectScores<T, NC>;
+          prefetch_block(kc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * D,
+                         std::min(BS, L - t0 - BS), row, run_bytes);
         if (!direct)
           for (int64_t j = 0; j < nt; ++j)
-            for (int c = 0; c < NC; ++c)
-              _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(kb + j * row + c * 16));
+            for (int64_t c = 0; c < hp * NC; ++c)
+              _mm512_storeu_ps(tile.data() + j * hp * D + c * 16, load16(kb + j * row + c * 16));
         for (int64_t j0 = 0; j0 < nt; j0 += 16) {  // blocks larger than 16: in pieces of 16
           const int64_t m = std::min<int64_t>(16, nt - j0);
           const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1u);
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512 sc =
-                block_scores<T, NC>(kb + j0 * row, row, tile.data() + j0 * D, qf.data() + g * D,
-                                    q + (s * H + h * G + g) * D, scale, m);
-            _mm512_mask_storeu_ps(scores.data() + g * L + t0 + j0, valid, sc);
-          }
+          for (int64_t hh = 0; hh < hp; ++hh)
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t i = hh * G + g;
+              const __m512 sc = block_scores<T, NC>(
+                  kb + j0 * row + hh * D, row, tile.data() + (j0 * hp + hh) * D, hp * D,
+                  qf.data() + i * D, qs + i * D, scale, m);
+              _mm512_mask_storeu_ps(scores.data() + i * L + t0 + j0, valid, sc);
+            }
         }
       }
       // Softmax per query head, normalised before the values (as the generic kernel does).
-      for (int64_t g = 0; g < G; ++g) {
-        float* sc = scores.data() + g * L;
+      for (int64_t i = 0; i < hp * G; ++i) {
+        float* sc = scores.data() + i * L;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
         float sum = 0.f;
@@ -272,28 +281,29 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
-        const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h * D;
+        const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
         if (t0 + BS < L)
-          prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h * D,
-                         std::min(BS, L - t0 - BS), row, D * (int64_t)sizeof(T));
+          prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * D,
+                         std::min(BS, L - t0 - BS), row, run_bytes);
         for (int64_t j = 0; j < nt; ++j)
-          for (int c = 0; c < NC; ++c)
-            _mm512_storeu_ps(tile.data() + j * D + c * 16, load16(vb + j * row + c * 16));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 a[NC];
-          for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc.data() + g * D + c * 16);
-          const float* p = scores.data() + g * L + t0;
-          for (int64_t j = 0; j < nt; ++j) {
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            const float* v = tile.data() + j * D;
-            for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), a[c]);
+          for (int64_t c = 0; c < hp * NC; ++c)
+            _mm512_storeu_ps(tile.data() + j * hp * D + c * 16, load16(vb + j * row + c * 16));
+        for (int64_t hh = 0; hh < hp; ++hh)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = hh * G + g;
+            __m512 a[NC];
+            for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc.data() + i * D + c * 16);
+            const float* p = scores.data() + i * L + t0;
+            for (int64_t j = 0; j < nt; ++j) {
+              const __m512 pj = _mm512_set1_ps(p[j]);
+              const float* v = tile.data() + (j * hp + hh) * D;
+              for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), a[c]);
+            }
+            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc.data() + i * D + c * 16, a[c]);
           }
-          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc.data() + g * D + c * 16, a[c]);
-        }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(s * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+      T* os = out + (s * H + h0 * G) * D;
+      for (int64_t i = 0; i < hp * G * D; ++i) os[i] = static_cast<T>(acc[i]);
     }
   }
 }
