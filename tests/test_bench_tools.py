@@ -340,3 +340,28 @@ def test_sweep_against_fake_servers(tokenizer, tmp_path) -> None:
         assert all(p["metrics"]["completed"] == 3 for p in pts)
     assert all(os.path.getsize(p) > 0 for p in data["plots"])
     assert os.path.exists(tmp_path / "workload-rate-inf.jsonl")
+
+
+def test_profile_run_accounts_for_every_step(tiny_llama, capsys) -> None:
+    from subway.tools import profile_run
+
+    profile_run.main(["--model", tiny_llama, "--dtype", "float32", "--num-requests", "6"])
+    out = capsys.readouterr().out
+    head, pre, dec = out.splitlines()[:3]
+    total = int(head.split(", ")[1].split()[0])
+    steps = int(head.split(", ")[3].split()[0])
+    n_pre, n_dec = int(pre.split(": ")[1].split(",")[0]), int(dec.split(": ")[1].split(",")[0])
+    assert n_pre >= 1 and n_pre + n_dec == steps
+    rows = [r for r in out.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert sum(int(r.split("|")[2]) for r in rows) == n_dec
+    reqs = workload.generate(workload.load_tokenizer(tiny_llama), 6, 0)
+    assert total == sum(r.max_tokens for r in reqs)
+
+
+def test_bench_linear_prints_both_paths(capsys) -> None:
+    from subway.tools import bench_linear
+
+    bench_linear.main(["--dtype", "float32", "--batches", "2"])
+    row = capsys.readouterr().out.splitlines()[-1]
+    plain, packed = (float(x) for x in row.split("|")[2:4])
+    assert row.startswith("| 2 |") and plain > 0 and packed > 0

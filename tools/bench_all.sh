@@ -2,8 +2,9 @@
 # Every figure in docs/BENCHMARKS.md's serving sections, in one run on a quiet machine:
 #   1. the headline comparison (Subway vs static batching vs transformers), one workload;
 #   2. the Subway rows again, for the run-to-run spread;
-#   3. a request-rate sweep of Subway continuous vs Subway static, with plots.
-# Outputs land in docs/bench/ and docs/img/. Takes about 40 minutes on 2 cores.
+#   3. a request-rate sweep of Subway continuous vs Subway static, with plots;
+#   4. the profiles and kernel tables of "What made it fast, and what holds it back".
+# Outputs land in docs/bench/ and docs/img/. Takes about 50 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p docs/bench docs/img
@@ -25,3 +26,11 @@ done
 python -m subway.tools.sweep --url subway=http://127.0.0.1:$p1 \
   --url subway-static=http://127.0.0.1:$p2 --rates 1,2,4,8,inf --num-requests 32 \
   --out-dir docs/img 2>&1 | tee docs/bench/sweep.log
+kill $s1 $s2 2>/dev/null; wait 2>/dev/null || true
+trap - EXIT
+python -m subway.tools.profile_run 2>&1 | tee docs/bench/profile_run.log
+python -m subway.tools.profile_step --dtype bfloat16 --batch 64 --context 256 2>&1 | tee docs/bench/profile_bf16.log
+python -m subway.tools.profile_step --dtype float32 --batch 64 --context 256 2>&1 | tee docs/bench/profile_fp32.log
+python -m subway.tools.profile_step --dtype bfloat16 --batch 4 --context 128 2>&1 | tee docs/bench/profile_bf16_b4.log
+python -m subway.tools.bench_linear 2>&1 | tee docs/bench/linear.log
+python -m subway.tools.bench_decode_kernel 2>&1 | tee docs/bench/decode_kernel.log

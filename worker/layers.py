@@ -19,8 +19,9 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
     """`weight [out, in]` in oneDNN's blocked layout for `linear`, or None where unsupported.
 
     On the CPU `F.linear` reorders the weight into that layout on every call; at decode
-    batch sizes the reorder costs as much as the matmul (measured: 30 layers of SmolLM2 at
-    batch 4, bfloat16, 19.2 ms plain against 8.7 ms packed), and the result is the same.
+    batch sizes the reorder costs about as much as the matmul (`tools/bench_linear.py`: 30
+    layers of SmolLM2 at batch 4, bfloat16, 16.9 ms plain against 10.0 ms packed), and the
+    result is the same.
     """
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
