@@ -38,6 +38,21 @@ static inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// In place over one query head's scores, normalised before the values are summed.
+static inline void softmax(float* sc, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    sc[t] = exp_nonpos(sc[t] - m);
+    sum += sc[t];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+  for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+}
+
 // Element loads as float. bfloat16 is the top half of a float32: a shift, which vectorises.
 template <typename T>
 static inline void load_row(const T* src, float* dst, int64_t n) {
@@ -82,19 +97,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
           scores[g * L + t] = dot;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sc = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = exp_nonpos(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         load_row(vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D, row_f.data(), D);
@@ -262,21 +265,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
             }
         }
       }
-      // Softmax per query head, normalised before the values (as the generic kernel does).
-      for (int64_t i = 0; i < hp * G; ++i) {
-        float* sc = scores.data() + i * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = exp_nonpos(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-      }
+      for (int64_t i = 0; i < hp * G; ++i) softmax(scores.data() + i * L, L);
       // Weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
