@@ -202,8 +202,8 @@ def _prefill_attention(
 
     `mask [n, ctx]` (True: attend) is None when the chunk is the whole context: plain causal.
     """
-    # 4-d [1, heads, n, d]: with a batch dimension PyTorch's CPU flash kernel runs (3x
-    # faster at a few hundred tokens); 3-d inputs fall back to the math path.
+    # 4-d [1, heads, n, d]: with a batch dimension PyTorch runs its CPU flash kernel;
+    # 3-d inputs fall back to the slower math path.
     q_, k_, v_ = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(
