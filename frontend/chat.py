@@ -79,7 +79,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext) -> Respo
         )
     except Exception as e:
         raise engine_failure(e) from e
-    model = ctx.config.served_model_name
+    model = ctx.config.model.served_model_name
     if req.stream:
         body = _stream(ctx, req, request_id, model, group, len(prompt.ids))
         return StreamingResponse(body, media_type="text/event-stream")

@@ -119,7 +119,7 @@ async def create_completion(request: Request, ctx: ServingContext) -> Response:
     choices = CompletionChoices(req, ctx, request_id)
     record = access_record(request, request_id, choices.prompt_tokens)
     echoes = [choices.echo(ctx, req, s.index) for s in choices.specs]
-    model = ctx.config.served_model_name
+    model = ctx.config.model.served_model_name
     group = None
     if choices.run_engine:
         try:

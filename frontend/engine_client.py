@@ -1,8 +1,8 @@
 """The frontend's bridge to the scheduler: requests out, token deltas back, over ZeroMQ.
 
 One `EngineClient` per frontend process, used from its event loop only. It
-pushes `ToScheduler` messages to `config.scheduler_addr` and binds a PULL at
-`config.frontend_addr` for `ToFrontend` messages, which a background task
+pushes `ToScheduler` messages to `config.ipc.scheduler_addr` and binds a PULL at
+`config.ipc.frontend_addr` for `ToFrontend` messages, which a background task
 routes to per-request queues.
 
 Prompt ids go through a shared-memory `TokenBuffer` that this client owns
@@ -155,14 +155,14 @@ class EngineClient:
         """
         unstarted = len(self._unstarted)
         started = len(self._queues) - unstarted
-        free = max(0, self.config.max_num_seqs - started)
+        free = max(0, self.config.scheduler.max_num_seqs - started)
         local = max(0, unstarted - free)
         engine = self.stats.num_waiting if self.stats is not None else 0
         return max(local, engine)
 
     def check_capacity(self, n: int, max_waiting: int | None = None) -> None:
         """Raise QueueFullError if `n` more requests would exceed `max_waiting` (0: no bound)."""
-        limit = self.config.max_waiting if max_waiting is None else max_waiting
+        limit = self.config.server.max_waiting if max_waiting is None else max_waiting
         if limit > 0 and self.num_waiting + n > limit:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (at most {limit})")
 
@@ -173,10 +173,10 @@ class EngineClient:
             return
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
-        self._pull = bind(self._ctx, zmq.PULL, cfg.frontend_addr)
-        self._push = connect(self._ctx, zmq.PUSH, cfg.scheduler_addr, SNDHWM=0)
-        if cfg.use_shm:
-            self._buffer = TokenBuffer.create(cfg.prompt_shm_name, cfg.prompt_shm_tokens)
+        self._pull = bind(self._ctx, zmq.PULL, cfg.ipc.frontend_addr)
+        self._push = connect(self._ctx, zmq.PUSH, cfg.ipc.scheduler_addr, SNDHWM=0)
+        if cfg.ipc.use_shm:
+            self._buffer = TokenBuffer.create(cfg.ipc.prompt_shm_name, cfg.ipc.prompt_shm_tokens)
             self._alloc = RingAllocator(self._buffer.capacity)
         self._send(FrontendHello(pid=os.getpid()))
         self._tasks = [
@@ -202,7 +202,7 @@ class EngineClient:
             if sock is not None:
                 sock.close(linger=0)
         if self._pull is not None:
-            cleanup_ipc(self.config.frontend_addr)
+            cleanup_ipc(self.config.ipc.frontend_addr)
         self._push = self._pull = None
         if self._ctx is not None:
             self._ctx.term()

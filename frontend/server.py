@@ -45,7 +45,6 @@ from subway.frontend.protocol import (
 from subway.frontend.serving import ServingContext, check_model, parse
 from subway.frontend.zmq_endpoint import ClientEndpoint, client_address
 from subway.ipc.config import EngineConfig
-from subway.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 log = logging.getLogger("subway.frontend")
 
@@ -53,10 +52,7 @@ log = logging.getLogger("subway.frontend")
 def load_tokenizer(config: EngineConfig):
     from transformers import AutoTokenizer
 
-    path = config.tokenizer or config.model
-    if not path:
-        path = ensure_default_model(quiet=True)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
 
 
 def build_app(
@@ -68,9 +64,7 @@ def build_app(
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> FastAPI:
     """The HTTP app. `tokenizer` defaults to the one `config` names."""
-    if not config.served_model_name:  # no --model: the default model
-        config = config.replace(served_model_name=DEFAULT_MODEL_NAME)
-    metrics = Metrics(config.served_model_name)
+    metrics = Metrics(config.model.served_model_name)
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)
     address = client_address(config)
@@ -93,7 +87,7 @@ def build_app(
     app.state.client_address = address
     app.add_middleware(
         GuardMiddleware,
-        api_key=config.api_key,
+        api_key=config.server.api_key,
         max_body_bytes=max_body_bytes,
         max_header_bytes=max_header_bytes,
     )
@@ -137,7 +131,7 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> ModelList:
         max_len = engine.info.max_model_len if engine.info else None
-        return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=max_len)])
+        return ModelList(data=[ModelCard(id=config.model.served_model_name, max_model_len=max_len)])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,11 +179,11 @@ def run_frontend(config: EngineConfig) -> int:
     app = build_app(config, engine, tokenizer)
     server = DrainingServer(
         engine,
-        config.shutdown_timeout,
+        config.server.shutdown_timeout,
         uvicorn.Config(
             app,
-            host=config.host,
-            port=config.port,
+            host=config.server.host,
+            port=config.server.port,
             loop="uvloop",
             http="h11",
             h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES,

@@ -45,7 +45,7 @@ class ServingContext:
 
     def timeout(self, requested: float | None) -> float | None:
         """The request's time limit: its own `timeout`, at most the server's (0: none)."""
-        server = self.config.request_timeout or None
+        server = self.config.server.request_timeout or None
         if requested is None:
             return server
         return min(requested, server) if server else requested
@@ -104,7 +104,7 @@ def _reject_constant(name: str) -> float:
 
 
 def check_model(req: SamplingRequest, config: EngineConfig) -> None:
-    if req.model is not None and req.model != config.served_model_name:
+    if req.model is not None and req.model != config.model.served_model_name:
         raise APIError(404, f"the model `{req.model}` does not exist", "model")
 
 

@@ -2,7 +2,7 @@
 
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
-or JSON. The address is `config.client_addr`, by default
+or JSON. The address is `config.server.client_addr`, by default
 `ipc://{run_dir}/client.sock` ("off": no endpoint). With an API key, each
 request must carry it. A client that goes away is noticed when an answer
 cannot be routed to it (ROUTER_MANDATORY): its request is then aborted.
@@ -45,10 +45,10 @@ _IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt", "model
 
 
 def client_address(config) -> str | None:
-    addr = config.client_addr
+    addr = config.server.client_addr
     if addr == "off":
         return None
-    return addr or f"ipc://{config.run_dir}/client.sock"
+    return addr or f"ipc://{config.ipc.run_dir}/client.sock"
 
 
 class ClientEndpoint:
@@ -61,7 +61,7 @@ class ClientEndpoint:
         self._tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self._decoder = msgspec.msgpack.Decoder(ToFrontendEndpoint)
         self._encoder = msgspec.msgpack.Encoder()
-        self._key = ctx.config.api_key.encode()
+        self._key = ctx.config.server.api_key.encode()
 
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()

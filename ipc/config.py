@@ -1,8 +1,13 @@
-"""Configuration shared by every process: one plain dataclass, passed down.
+"""Configuration shared by every process: a few frozen parts, passed down.
 
-The launcher builds one `EngineConfig` from the command line and hands it to
-each process it starts as JSON (`--config-json`), so all processes agree on
-addresses, sizes and names without any global state.
+The launcher builds one `EngineConfig` from the command line (the flags are
+generated from the fields below, help text included, so no default is written
+twice) and hands it to each process it starts as JSON (`--config-json`), so all
+processes agree on addresses, sizes and names without any global state.
+
+Every field name is unique across the parts, so `EngineConfig.build(**flat)` and
+`config.replace(**flat)` take the flat names that the command line uses
+(`block_size=4`, `overlap=False`) and put each into its part.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -20,58 +26,107 @@ def _new_run_id() -> str:
     return uuid.uuid4().hex[:10]
 
 
-@dataclass
-class EngineConfig:
-    model: str = ""  # a Hugging Face folder; "" means the default model
-    served_model_name: str = ""
-    tokenizer: str = ""  # defaults to `model`
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int = 0  # 0: the model's own limit
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on the CPU
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int = 0  # >0 overrides the memory-derived count (tests, benchmarks)
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    policy: str = "fcfs"
-    static_batch_window_ms: float = 0.0  # `static`: wait this long for a batch to fill
-    enable_prefix_caching: bool = True
-    overlap: bool = True
-    enforce_eager: bool = False  # no CUDA graphs
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = ""
-    max_waiting: int = 0  # 0: unbounded
-    request_timeout: float = 0.0  # seconds a generation request may run; 0: no limit
-    # The frontend's native ZMQ endpoint: "" means ipc://{run_dir}/client.sock, "off" none.
-    client_addr: str = ""
-    threads: int = 0  # torch threads per worker; 0: torch's default
-    shutdown_timeout: float = 5.0
-    # Where the processes meet: ipc:// sockets live in run_dir on one host.
-    run_id: str = field(default_factory=_new_run_id)
-    run_dir: str = ""
-    scheduler_addr: str = ""  # frontend -> scheduler (scheduler binds PULL)
-    frontend_addr: str = ""  # scheduler -> frontend (frontend binds PULL)
-    plan_addr: str = ""  # scheduler -> workers (scheduler binds XPUB)
-    result_addr: str = ""  # workers -> scheduler (scheduler binds PULL)
-    dist_init_addr: str = ""  # torch.distributed rendezvous host:port
-    use_shm: bool = True  # token ids through shared memory (one host)
-    prompt_shm_tokens: int = 1 << 22  # capacity of the frontend's prompt buffer, in tokens
+def opt(default: Any, help: str = "", **meta: Any) -> Any:
+    """A config field with its command-line help; `meta` may name the `flag` (default
+    --field-name), its `choices` and an `alias`."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # derived defaults of frozen parts, in __post_init__
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how: weights, precision, device, the kernels."""
+
+    path: str = opt("", "Hugging Face folder (default: SmolLM2-135M-Instruct)", flag="--model")
+    served_model_name: str = opt("", "name in the API (default: the folder's name)")
+    tokenizer: str = opt("", "tokenizer folder (default: the model's)")
+    dtype: str = opt("auto", "auto: float32 on the CPU, the model's dtype on CUDA",
+                     choices=("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    device: str = opt("auto", "", choices=("auto", "cpu", "cuda"))
+    max_model_len: int = opt(0, "tokens per sequence; 0: the model's own limit")
+    seed: int = opt(0, "sampling seed")
+    enforce_eager: bool = opt(False, "no CUDA graphs")
+    kernels: str = opt("auto", "auto: Triton on CUDA, the PyTorch references elsewhere",
+                       choices=("auto", "triton", "torch"))  # fmt: skip
+    cpu_ext: bool = opt(True, "compile and use the C++ CPU kernels", flag="--no-cpu-ext")
+    pack_weights: bool = opt(True, "pack CPU linear weights in oneDNN's layout once, at load",
+                             flag="--no-pack-weights")  # fmt: skip
 
     def __post_init__(self) -> None:
+        if not self.served_model_name and self.path:
+            _set(self, "served_model_name", os.path.basename(os.path.normpath(self.path)))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, how much memory, the prefix cache."""
+
+    block_size: int = opt(16, "tokens per KV block")
+    kv_cache_memory: int = opt(1 << 30, "bytes of KV cache (CPU)")
+    gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights, activations, KV")
+    num_kv_blocks: int = opt(0, "override the KV block count (0: from the memory budget)")
+    enable_prefix_caching: bool = opt(True, "", flag="--no-prefix-caching")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Whom to serve each step and how much."""
+
+    max_num_seqs: int = opt(64, "sequences in one step at most")
+    max_num_batched_tokens: int = opt(512, "tokens in one step at most (the token budget)")
+    policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
+    static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")
+    overlap: bool = opt(True, "plan step N+1 while N runs", flag="--no-overlap")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism and threads."""
+
+    tensor_parallel_size: int = opt(1, "", alias="-tp")
+    dist_init_addr: str = opt("127.0.0.1:29533", "torch.distributed rendezvous host:port")
+    threads: int = opt(0, "torch threads per worker; 0: torch's default")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The frontend's doors: HTTP and the native ZMQ endpoint, and their limits."""
+
+    host: str = opt("127.0.0.1", "HTTP address")
+    port: int = opt(8000, "HTTP port")
+    api_key: str = opt("", "require this bearer token")
+    max_waiting: int = opt(0, "requests waiting at most before 503; 0: unbounded")
+    request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
+    shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
+    client_addr: str = opt("", 'native ZMQ client endpoint (default ipc://RUN_DIR/client.sock); '
+                           '"off": none')  # fmt: skip
+
+
+@dataclass(frozen=True)
+class IpcConfig:
+    """Where the processes meet: ipc:// sockets live in `run_dir` on one host."""
+
+    run_id: str = opt("", "names this engine's sockets and shm buffers")
+    run_dir: str = opt("", "folder of the ipc:// sockets (default: a temp folder per run id)")
+    scheduler_addr: str = opt("", "frontend -> scheduler (scheduler binds PULL)")
+    frontend_addr: str = opt("", "scheduler -> frontend (frontend binds PULL)")
+    plan_addr: str = opt("", "scheduler -> workers (scheduler binds XPUB)")
+    result_addr: str = opt("", "workers -> scheduler (scheduler binds PULL)")
+    use_shm: bool = opt(True, "token ids through shared memory (one host)", flag="--no-shm")
+    prompt_shm_tokens: int = opt(1 << 22, "capacity of the prompt buffer, in tokens")
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            _set(self, "run_id", _new_run_id())
         if not self.run_dir:
-            self.run_dir = os.path.join(tempfile.gettempdir(), f"subway-{self.run_id}")
+            _set(self, "run_dir", os.path.join(tempfile.gettempdir(), f"subway-{self.run_id}"))
         d = self.run_dir
-        self.scheduler_addr = self.scheduler_addr or f"ipc://{d}/scheduler.sock"
-        self.frontend_addr = self.frontend_addr or f"ipc://{d}/frontend.sock"
-        self.plan_addr = self.plan_addr or f"ipc://{d}/plan.sock"
-        self.result_addr = self.result_addr or f"ipc://{d}/result.sock"
-        self.served_model_name = self.served_model_name or (
-            os.path.basename(os.path.normpath(self.model)) if self.model else ""
-        )
+        for name in ("scheduler", "frontend", "plan", "result"):
+            if not getattr(self, f"{name}_addr"):
+                _set(self, f"{name}_addr", f"ipc://{d}/{name}.sock")
 
     @property
     def prompt_shm_name(self) -> str:
@@ -81,6 +136,35 @@ class EngineConfig:
     def sampled_shm_name(self) -> str:
         return f"subway_{self.run_id}_sampled"
 
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ipc: IpcConfig = field(default_factory=IpcConfig)
+
+    @classmethod
+    def build(cls, **flat: Any) -> EngineConfig:
+        """A config from flat field names (`block_size=4`), each put into its part; derived
+        defaults (run dir, addresses, served name) follow the values given."""
+        grouped: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            grouped.setdefault(_owner(name), {})[name] = value
+        return cls(**{part: c(**grouped.get(part, {})) for part, c in parts()})
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """A copy with flat-named fields changed. Derived values (addresses, the served
+        name) are not derived again: pass them too if they should follow."""
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            changes.setdefault(_owner(name), {})[name] = value
+        return dataclasses.replace(
+            self, **{p: dataclasses.replace(getattr(self, p), **c) for p, c in changes.items()}
+        )
+
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
 
@@ -88,5 +172,19 @@ class EngineConfig:
     def from_json(cls, text: str) -> EngineConfig:
         return msgspec.json.decode(text, type=cls)
 
-    def replace(self, **changes) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
+
+def parts() -> list[tuple[str, type]]:
+    """(attribute, class) of each part, in order."""
+    return [(f.name, f.default_factory) for f in dataclasses.fields(EngineConfig)]  # type: ignore[misc]
+
+
+def field_owners() -> dict[str, str]:
+    """Flat field name -> the part that holds it."""
+    return {f.name: part for part, cls in parts() for f in dataclasses.fields(cls)}
+
+
+def _owner(name: str) -> str:
+    owner = field_owners().get(name)
+    if owner is None:
+        raise TypeError(f"EngineConfig has no field {name!r}")
+    return owner

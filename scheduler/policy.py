@@ -200,8 +200,8 @@ POLICIES: dict[str, type[Policy]] = {
 
 def policy_options(config) -> dict[str, Any]:
     """The options a policy takes from the engine's configuration."""
-    if config.policy == "static":
-        return {"window_s": config.static_batch_window_ms / 1000.0}
+    if config.scheduler.policy == "static":
+        return {"window_s": config.scheduler.static_batch_window_ms / 1000.0}
     return {}
 
 

@@ -2,10 +2,10 @@
 
 Sockets (all but the last bound here):
 
-    PULL  config.scheduler_addr  <- frontends  (ToScheduler)
-    XPUB  config.plan_addr       -> workers    (ToWorker; XPUB so that subscriptions are seen)
-    PULL  config.result_addr     <- workers    (FromWorker)
-    PUSH  config.frontend_addr   -> frontend   (ToFrontend; connected)
+    PULL  config.ipc.scheduler_addr  <- frontends  (ToScheduler)
+    XPUB  config.ipc.plan_addr       -> workers    (ToWorker; XPUB so that subscriptions are seen)
+    PULL  config.ipc.result_addr     <- workers    (FromWorker)
+    PUSH  config.ipc.frontend_addr   -> frontend   (ToFrontend; connected)
 
 No plan goes out before `tensor_parallel_size` subscriptions and as many
 WorkerReady messages have arrived: a PUB socket drops what it sends before a
@@ -61,7 +61,7 @@ LINGER_MS = 1000  # time left to deliver Shutdown / EngineError on close
 
 def run_scheduler(config: EngineConfig) -> int:
     """The scheduler process main; returns the exit code (0 on SIGTERM/SIGINT, 1 on error)."""
-    make_policy(config.policy)  # fail before binding anything
+    make_policy(config.scheduler.policy)  # fail before binding anything
     loop = SchedulerLoop(config)
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -78,14 +78,14 @@ def run_scheduler(config: EngineConfig) -> int:
 class SchedulerLoop:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.max_inflight = 2 if config.overlap else 1
+        self.max_inflight = 2 if config.scheduler.overlap else 1
         self.ctx = zmq.Context()
-        self.requests = bind(self.ctx, zmq.PULL, config.scheduler_addr, RCVHWM=0)
+        self.requests = bind(self.ctx, zmq.PULL, config.ipc.scheduler_addr, RCVHWM=0)
         self.plans = bind(
-            self.ctx, zmq.XPUB, config.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
+            self.ctx, zmq.XPUB, config.ipc.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
         )  # verbose-r: every (un)subscription, so each worker's arrival and departure show
-        self.results = bind(self.ctx, zmq.PULL, config.result_addr, RCVHWM=0)
-        self.frontend = connect(self.ctx, zmq.PUSH, config.frontend_addr, SNDHWM=0)
+        self.results = bind(self.ctx, zmq.PULL, config.ipc.result_addr, RCVHWM=0)
+        self.frontend = connect(self.ctx, zmq.PUSH, config.ipc.frontend_addr, SNDHWM=0)
         # A frontend that dies leaves requests nobody will read: abort them when it goes.
         self.frontend_monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.in_codec = Codec(ToScheduler)
@@ -287,7 +287,7 @@ class SchedulerLoop:
             return list(ref.ids)
         if self.prompt_buf is None:
             try:
-                self.prompt_buf = TokenBuffer.attach(self.config.prompt_shm_name)
+                self.prompt_buf = TokenBuffer.attach(self.config.ipc.prompt_shm_name)
             except (OSError, ValueError) as e:
                 log.error("cannot attach the prompt buffer: %s", e)
                 return None
@@ -298,7 +298,7 @@ class SchedulerLoop:
         return ids
 
     def _maybe_ready(self) -> None:
-        tp = self.config.tensor_parallel_size
+        tp = self.config.parallel.tensor_parallel_size
         if self.sched is not None or self.num_subscribers < tp:
             return
         if any(rank not in self.workers for rank in range(tp)):
@@ -307,8 +307,8 @@ class SchedulerLoop:
         rank0 = ranks[0]
         num_blocks = min(w.num_blocks for w in ranks)
         max_len = min(w.max_model_len for w in ranks)
-        if self.config.max_model_len > 0:
-            max_len = min(max_len, self.config.max_model_len)
+        if self.config.model.max_model_len > 0:
+            max_len = min(max_len, self.config.model.max_model_len)
         if rank0.sampled_shm:
             try:
                 self.sampled_buf = TokenBuffer.attach(rank0.sampled_shm)
@@ -317,7 +317,7 @@ class SchedulerLoop:
         sched = self.sched = Scheduler(self.config, num_blocks, max_len, rank0.eos_token_ids)
         self.ready_msg = EngineReady(
             num_blocks=num_blocks,
-            block_size=self.config.block_size,
+            block_size=self.config.cache.block_size,
             max_model_len=sched.max_model_len,
             vocab_size=rank0.vocab_size,
             eos_token_ids=list(rank0.eos_token_ids),
@@ -343,7 +343,7 @@ class SchedulerLoop:
         for sock in (self.requests, self.results):
             sock.close(linger=0)
         self.ctx.term()
-        cleanup_ipc(self.config.scheduler_addr, self.config.plan_addr, self.config.result_addr)
+        cleanup_ipc(self.config.ipc.scheduler_addr, self.config.ipc.plan_addr, self.config.ipc.result_addr)
         for buf in (self.prompt_buf, self.sampled_buf):
             if buf is not None:
                 buf.close()

@@ -86,20 +86,20 @@ class Scheduler:
         """`clock` stamps first tokens (and feeds time-dependent policies); it must be on
         the same scale as requests' `arrival_time` (the frontend's time.time())."""
         self.config = config
-        self.caching = bool(config.enable_prefix_caching)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.caching)
+        self.caching = bool(config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, self.caching)
         pool = self.block_manager.capacity_tokens
         # A sequence must fit in the pool alone, or it could never finish.
         self.max_model_len = min(max_model_len, pool) if max_model_len > 0 else pool
         self.eos_token_ids = list(eos_token_ids)
         self._eos = frozenset(eos_token_ids)
         self.policy = (
-            policy if policy is not None else make_policy(config.policy, **policy_options(config))
+            policy if policy is not None else make_policy(config.scheduler.policy, **policy_options(config))
         )
         self.clock = clock
-        self.max_num_batched_tokens = max(1, config.max_num_batched_tokens)
+        self.max_num_batched_tokens = max(1, config.scheduler.max_num_batched_tokens)
         # Every running sequence gets its decode each step: no more running than the budget.
-        self.max_num_seqs = max(1, min(config.max_num_seqs, self.max_num_batched_tokens))
+        self.max_num_seqs = max(1, min(config.scheduler.max_num_seqs, self.max_num_batched_tokens))
         # Keep a few blocks for running sequences to grow into when admitting more.
         self.watermark_blocks = num_blocks // 100
 

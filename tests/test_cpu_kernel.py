@@ -85,7 +85,7 @@ def test_runner_packs_its_linear_layers(tiny_models):
     from subway.worker.layers import PackedLinear
     from subway.worker.runner import ModelRunner
 
-    runner = ModelRunner(EngineConfig(model=tiny_models["llama"], num_kv_blocks=8))
+    runner = ModelRunner(EngineConfig.build(path=tiny_models["llama"], num_kv_blocks=8))
     layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.packed is not None for m in layers)
     assert runner.model.lm_head_packed is not None

@@ -131,7 +131,7 @@ class FakeScheduler:
         if ref.ids is not None:
             return list(ref.ids)
         if self._array is None:
-            name = self.config.prompt_shm_name
+            name = self.config.ipc.prompt_shm_name
             if self.owner_in_process:
                 self._shm = shared_memory.SharedMemory(name=name)
                 self._array = np.ndarray((self._shm.size // 4,), np.int32, buffer=self._shm.buf)
@@ -171,8 +171,8 @@ class FakeScheduler:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        pull = bind(ctx, zmq.PULL, self.config.scheduler_addr)
-        push = connect(ctx, zmq.PUSH, self.config.frontend_addr)
+        pull = bind(ctx, zmq.PULL, self.config.ipc.scheduler_addr)
+        push = connect(ctx, zmq.PUSH, self.config.ipc.frontend_addr)
         codec_in, codec_out = Codec(ToScheduler), Codec(ToFrontend)
         live: dict[str, _Live] = {}
         ready = False
@@ -225,7 +225,7 @@ class FakeScheduler:
             pull.close(0)
             push.close(0)
             ctx.term()
-            cleanup_ipc(self.config.scheduler_addr)
+            cleanup_ipc(self.config.ipc.scheduler_addr)
             if self._shm is not None:
                 self._array = None
                 self._shm.close()
@@ -269,8 +269,8 @@ def frontend(default_model, tokenizer, tmp_path_factory):
     """`python -m subway.frontend` in a subprocess, with a fake scheduler thread here."""
     run_dir = tmp_path_factory.mktemp("run")
     port = _free_port()
-    config = EngineConfig(
-        model=default_model,
+    config = EngineConfig.build(
+        path=default_model,
         served_model_name=MODEL,
         run_dir=str(run_dir),
         port=port,
@@ -649,7 +649,7 @@ def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
     """Runs last: it stops the frontend."""
     refs = [a.prompt for a in frontend.fake.adds]
     assert refs and all(r.ids is None and r.offset >= 0 for r in refs)
-    prefix = f"subway_{frontend.config.run_id}"
+    prefix = f"subway_{frontend.config.ipc.run_id}"
     assert any(name.startswith(prefix) for name in os.listdir("/dev/shm"))
     # SIGTERM with a stream in flight: the drain times out, the stream is cut and aborted.
     fake = frontend.fake
@@ -672,14 +672,14 @@ def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
     _fast(fake)
     assert fake.wait_for(lambda: fake.adds[n_adds].request_id in fake.aborts)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    assert not os.path.exists(frontend.config.frontend_addr[len("ipc://") :])
+    assert not os.path.exists(frontend.config.ipc.frontend_addr[len("ipc://") :])
 
 
 # ---------------------------------------------------------------- the engine client alone
 
 
 def test_engine_client_inline_fallback_abort_and_close(tmp_path):
-    config = EngineConfig(run_dir=str(tmp_path), prompt_shm_tokens=16)
+    config = EngineConfig.build(run_dir=str(tmp_path), prompt_shm_tokens=16)
     fake = FakeScheduler(config, owner_in_process=True)
     fake.ready_gate.set()
     fake.start()
@@ -727,6 +727,6 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
         assert fake.adds[0].prompt.ids == list(range(10, 30))
         assert fake.adds[1].prompt.ids is None and fake.adds[1].prompt.length == 4
         assert fake.wait_for(lambda: "early" in fake.aborts)
-        assert not os.path.exists(f"/dev/shm/{config.prompt_shm_name}")
+        assert not os.path.exists(f"/dev/shm/{config.ipc.prompt_shm_name}")
     finally:
         fake.stop()

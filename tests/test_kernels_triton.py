@@ -388,8 +388,8 @@ def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool):
     from subway.ipc.messages import SamplingParams
     from subway.tools.offline import OfflineEngine
 
-    config = EngineConfig(
-        model=path,
+    config = EngineConfig.build(
+        path=path,
         device="cpu",
         dtype="float32",
         block_size=4,

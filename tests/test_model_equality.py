@@ -145,7 +145,7 @@ def compare(planner: MiniPlanner, expected: list[tuple[list[int], list]]) -> int
 def make_runner(path: str, **overrides):
     from subway.worker.runner import ModelRunner
 
-    config = EngineConfig(model=path, block_size=BLOCK_SIZE, num_kv_blocks=512, **overrides)
+    config = EngineConfig.build(path=path, block_size=BLOCK_SIZE, num_kv_blocks=512, **overrides)
     return ModelRunner(config)
 
 

@@ -207,8 +207,8 @@ def _engine(model: str, caching: bool, num_blocks: int, **kw):
     from subway.ipc.config import EngineConfig
     from subway.tools.offline import OfflineEngine
 
-    config = EngineConfig(
-        model=model,
+    config = EngineConfig.build(
+        path=model,
         run_id="pc",
         block_size=4,
         num_kv_blocks=num_blocks,

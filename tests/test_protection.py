@@ -107,7 +107,7 @@ def test_api_key_on_every_route_but_health(server):
 
 
 def test_binds_to_loopback_by_default(server):
-    assert EngineConfig().host == "127.0.0.1"
+    assert EngineConfig.build().server.host == "127.0.0.1"
     frontend = server.child("frontend")
     listening = [c for c in frontend.net_connections(kind="tcp") if c.status == "LISTEN"]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)

@@ -40,8 +40,8 @@ def _overlap_run(config, prompts, stop_ids, overlap):
 
 def test_overlap_equals_sync_with_stops_aborts_and_chunks(tiny_models):
     """The same requests and aborts: overlapped and synchronous loops give the same tokens."""
-    config = EngineConfig(
-        model=tiny_models["llama"], max_num_batched_tokens=40, num_kv_blocks=80, max_num_seqs=8
+    config = EngineConfig.build(
+        path=tiny_models["llama"], max_num_batched_tokens=40, num_kv_blocks=80, max_num_seqs=8
     )
     prompts = [[(7 * i + j) % 5000 + 10 for j in range(5 + 23 * i)] for i in range(10)]
     probe, ids, _ = _overlap_run(config, prompts, [], overlap=False)

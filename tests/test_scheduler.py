@@ -65,11 +65,11 @@ class Out:
 def make_config(**kw) -> EngineConfig:
     base = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=4, run_id="test")
     base.update(kw)
-    return EngineConfig(**base)
+    return EngineConfig.build(**base)
 
 
 def make_scheduler(num_blocks=256, max_model_len=1024, policy=None, **kw) -> Scheduler:
-    """A scheduler over a pool of `num_blocks`; `policy` (an object) overrides config.policy."""
+    """A scheduler over a pool of `num_blocks`; `policy` (an object) overrides config.scheduler.policy."""
     return Scheduler(make_config(**kw), num_blocks, max_model_len, [EOS], policy=policy)
 
 
@@ -89,9 +89,9 @@ def add(sched: Scheduler, r: Req, arrival_time: float | None = None) -> None:
 
 def check_plan(sched: Scheduler, plan: Plan) -> None:
     cfg = sched.config
-    assert sum(s.num_tokens for s in plan.seqs) <= cfg.max_num_batched_tokens
-    assert len(plan.seqs) <= cfg.max_num_seqs
-    assert sched.num_running <= cfg.max_num_seqs
+    assert sum(s.num_tokens for s in plan.seqs) <= cfg.scheduler.max_num_batched_tokens
+    assert len(plan.seqs) <= cfg.scheduler.max_num_seqs
+    assert sched.num_running <= cfg.scheduler.max_num_seqs
     assert plan.seqs, "empty plans are not sent"
 
 
@@ -542,15 +542,15 @@ class Rig:
 
         base = dict(run_dir=run_dir, run_id=f"t{random.randrange(1 << 30)}", block_size=4)
         base.update(kw)
-        self.config = cfg = EngineConfig(**base)
+        self.config = cfg = EngineConfig.build(**base)
         self.ctx = zmq.Context()
-        self.fe_pull = bind(self.ctx, zmq.PULL, cfg.frontend_addr)
-        self.fe_push = connect(self.ctx, zmq.PUSH, cfg.scheduler_addr)
-        self.w_sub = connect(self.ctx, zmq.SUB, cfg.plan_addr)
+        self.fe_pull = bind(self.ctx, zmq.PULL, cfg.ipc.frontend_addr)
+        self.fe_push = connect(self.ctx, zmq.PUSH, cfg.ipc.scheduler_addr)
+        self.w_sub = connect(self.ctx, zmq.SUB, cfg.ipc.plan_addr)
         self.w_sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.w_push = connect(self.ctx, zmq.PUSH, cfg.result_addr)
-        self.prompts = TokenBuffer.create(cfg.prompt_shm_name, 1024)
-        self.sampled = TokenBuffer.create(cfg.sampled_shm_name, 1024)
+        self.w_push = connect(self.ctx, zmq.PUSH, cfg.ipc.result_addr)
+        self.prompts = TokenBuffer.create(cfg.ipc.prompt_shm_name, 1024)
+        self.sampled = TokenBuffer.create(cfg.ipc.sampled_shm_name, 1024)
         self.to_sched = Codec(ToScheduler)
         self.from_sched = Codec(ToFrontend)
         self.to_worker = Codec(ToWorker)
@@ -611,7 +611,7 @@ def test_process_serves_a_request_and_shuts_down_on_sigterm(rig_dir):
             max_model_len=128,
             vocab_size=VOCAB,
             eos_token_ids=[EOS],
-            sampled_shm=cfg.sampled_shm_name,
+            sampled_shm=cfg.ipc.sampled_shm_name,
         )
         rig.w_push.send(rig.from_worker.encoder.encode(ready))
         rig.fe_push.send(rig.to_sched.encode(FrontendHello(pid=os.getpid())))
@@ -667,7 +667,7 @@ def test_process_serves_a_request_and_shuts_down_on_sigterm(rig_dir):
         while not isinstance(msg := rig.worker_recv(), Shutdown):
             pass
         assert rig.proc.wait(timeout=10) == 0
-        for addr in (cfg.scheduler_addr, cfg.plan_addr, cfg.result_addr):
+        for addr in (cfg.ipc.scheduler_addr, cfg.ipc.plan_addr, cfg.ipc.result_addr):
             assert not os.path.exists(addr[len("ipc://") :])
     finally:
         rig.close()
@@ -721,7 +721,7 @@ def test_process_logs_one_stats_line_every_few_seconds(rig_dir, caplog):
 
     from subway.scheduler.process import LOG_INTERVAL_S, SchedulerLoop
 
-    cfg = EngineConfig(run_dir=rig_dir, run_id=f"t{random.randrange(1 << 30)}", block_size=4)
+    cfg = EngineConfig.build(run_dir=rig_dir, run_id=f"t{random.randrange(1 << 30)}", block_size=4)
     loop = SchedulerLoop(cfg)
     try:
         loop.sched = sched = Scheduler(cfg, 16, 64, [EOS])

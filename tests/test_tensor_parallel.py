@@ -30,7 +30,7 @@ def _rank_main(rank: int, path: str, addr: str, prompts: list[list[int]], out_fi
 
     torch.set_num_threads(1)
     init_distributed(2, rank, addr, torch.device("cpu"))
-    config = EngineConfig(model=path, block_size=BLOCK_SIZE, num_kv_blocks=256)
+    config = EngineConfig.build(path=path, block_size=BLOCK_SIZE, num_kv_blocks=256)
     runner = ModelRunner(config, rank, 2)
     planner = MiniPlanner(budget=32)  # every rank plans the same steps
     for i, p in enumerate(prompts):

@@ -41,8 +41,8 @@ def _worker_main(config_json: str, rank: int) -> None:
 class FakeScheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.ctx = zmq.Context()
-        self.xpub = bind(self.ctx, zmq.XPUB, config.plan_addr)
-        self.pull = bind(self.ctx, zmq.PULL, config.result_addr)
+        self.xpub = bind(self.ctx, zmq.XPUB, config.ipc.plan_addr)
+        self.pull = bind(self.ctx, zmq.PULL, config.ipc.result_addr)
         self.codec_out, self.codec_in = Codec(ToWorker), Codec(FromWorker)
 
     def recv(self):
@@ -64,12 +64,12 @@ class FakeScheduler:
 
 @pytest.fixture
 def worker(tiny_models, tmp_path):
-    config = EngineConfig(
-        model=tiny_models["llama"], num_kv_blocks=64, block_size=4, threads=1, max_num_seqs=4,
+    config = EngineConfig.build(
+        path=tiny_models["llama"], num_kv_blocks=64, block_size=4, threads=1, max_num_seqs=4,
         run_dir=str(tmp_path),
     )  # fmt: skip
     sched = FakeScheduler(config)
-    prompts = TokenBuffer.create(config.prompt_shm_name, 1024)
+    prompts = TokenBuffer.create(config.ipc.prompt_shm_name, 1024)
     proc = mp.get_context("spawn").Process(target=_worker_main, args=(config.to_json(), 0))
     proc.start()
     try:
@@ -94,7 +94,7 @@ def test_plans_results_and_shutdown(worker):
 
     config, sched, prompts, proc, ready = worker
     assert (
-        ready.rank == 0 and ready.num_blocks == 64 and ready.sampled_shm == config.sampled_shm_name
+        ready.rank == 0 and ready.num_blocks == 64 and ready.sampled_shm == config.ipc.sampled_shm_name
     )
     assert ready.vocab_size > 0 and ready.max_model_len == 2048
     sampled = TokenBuffer.attach(ready.sampled_shm)
@@ -112,7 +112,7 @@ def test_plans_results_and_shutdown(worker):
         res = sched.recv()
         assert isinstance(res, StepResult) and res.step == plan.step
         assert res.tokens.ids is None and res.forward_time > 0
-        assert res.tokens.offset == (plan.step % 8) * config.max_num_seqs
+        assert res.tokens.offset == (plan.step % 8) * config.scheduler.max_num_seqs
         got.append((res.seq_ids, sampled.read(res.tokens.offset, res.tokens.length).tolist()))
     sampled.close()
     # The same plans in this process give the same tokens.
@@ -127,7 +127,7 @@ def test_plans_results_and_shutdown(worker):
     sched.send(Shutdown())
     proc.join(60)
     assert proc.exitcode == 0
-    assert not _shm_exists(config.sampled_shm_name)
+    assert not _shm_exists(config.ipc.sampled_shm_name)
 
 
 def test_failed_step_reports_and_exits_1(worker):
@@ -137,7 +137,7 @@ def test_failed_step_reports_and_exits_1(worker):
     assert isinstance(err, WorkerError) and "99" in err.message
     proc.join(60)
     assert proc.exitcode == 1
-    assert not _shm_exists(config.sampled_shm_name)
+    assert not _shm_exists(config.ipc.sampled_shm_name)
 
 
 def test_sigterm_exits_cleanly(worker):
@@ -145,4 +145,4 @@ def test_sigterm_exits_cleanly(worker):
     os.kill(proc.pid, signal.SIGTERM)
     proc.join(60)
     assert proc.exitcode == 0
-    assert not _shm_exists(config.sampled_shm_name)
+    assert not _shm_exists(config.ipc.sampled_shm_name)

@@ -100,7 +100,7 @@ def workload(args) -> list[Job]:
 
 def simulate(policy: str, jobs: list[Job], args) -> Result:
     now = 0.0
-    config = EngineConfig(
+    config = EngineConfig.build(
         run_id="edf",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -75,7 +75,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def make_scheduler(n: int, budget: int, num_blocks: int, block_size: int, policy: str,
                    caching: bool) -> Scheduler:  # fmt: skip
-    config = EngineConfig(
+    config = EngineConfig.build(
         run_id="bench",
         max_num_seqs=n,
         max_num_batched_tokens=budget,

@@ -629,11 +629,11 @@ def check_equality(ctx: Ctx, root: str) -> None:
         path = build_tiny_model(arch, os.path.join(root, f"tiny-{arch}"))
         expected = hf_greedy(path, prompts, max_new, dev)
         for graphs in (True, False):
-            config = EngineConfig(
-                model=path, device=dev.type, dtype="float32", block_size=16 if not ctx.dry else 4,
+            config = EngineConfig.build(
+                path=path, device=dev.type, dtype="float32", block_size=16 if not ctx.dry else 4,
                 num_kv_blocks=256, max_num_batched_tokens=32 if not ctx.dry else 8, max_num_seqs=8,
             )  # fmt: skip
-            config.enforce_eager = not graphs  # --enforce-eager
+            config.model.enforce_eager = not graphs  # --enforce-eager
             with kernels_env("triton"):
                 engine = OfflineEngine(config)
                 runner = engine.runner
@@ -782,14 +782,14 @@ def check_throughput(ctx: Ctx, root: str) -> None:
             if ctx.left() < 60:
                 rep.row(f"throughput {name}", "SKIP", f"{ctx.left():.0f}s of the budget left")
                 continue
-            config = EngineConfig(
-                model=path, device=dev.type, dtype="float32" if ctx.dry else "bfloat16",
+            config = EngineConfig.build(
+                path=path, device=dev.type, dtype="float32" if ctx.dry else "bfloat16",
                 max_model_len=2048, max_num_seqs=256 if not ctx.dry else 4,
                 max_num_batched_tokens=2048 if not ctx.dry else 16,
                 gpu_memory_utilization=0.85, enable_prefix_caching=False,
                 kv_cache_memory=64 << 20,
             )  # fmt: skip
-            config.enforce_eager = eager
+            config.model.enforce_eager = eager
             with kernels_env(kernels):
                 t0 = time.perf_counter()
                 engine = OfflineEngine(config)
@@ -842,7 +842,7 @@ def check_throughput(ctx: Ctx, root: str) -> None:
 def memory_row(ctx: Ctx, runner, kv_bytes: int) -> None:
     """The KV cache took `--gpu-memory-utilization` of the device, less the profiled step."""
     if ctx.device.type != "cuda":
-        want = runner.config.kv_cache_memory
+        want = runner.config.cache.kv_cache_memory
         per_block = kv_bytes // runner.num_blocks
         ok = runner.num_blocks == want // per_block
         ctx.report.row(
@@ -853,7 +853,7 @@ def memory_row(ctx: Ctx, runner, kv_bytes: int) -> None:
         return
     free_b, total = torch.cuda.mem_get_info(ctx.device)
     used = total - free_b
-    util = runner.config.gpu_memory_utilization
+    util = runner.config.cache.gpu_memory_utilization
     ok = used <= total * (util + 0.02) and used >= total * (util - 0.10)
     ctx.report.row(
         "memory: KV from --gpu-memory-utilization",

@@ -45,7 +45,7 @@ def die_with_parent() -> None:
 
 
 def shm_names(config: EngineConfig) -> list[str]:
-    return [config.prompt_shm_name, config.sampled_shm_name]
+    return [config.ipc.prompt_shm_name, config.ipc.sampled_shm_name]
 
 
 def remove_leftovers(config: EngineConfig) -> list[str]:
@@ -59,14 +59,14 @@ def remove_leftovers(config: EngineConfig) -> list[str]:
                 removed.append(path)
             except FileNotFoundError:
                 pass
-    if os.path.isdir(config.run_dir):
-        shutil.rmtree(config.run_dir, ignore_errors=True)
+    if os.path.isdir(config.ipc.run_dir):
+        shutil.rmtree(config.ipc.run_dir, ignore_errors=True)
     return removed
 
 
 def _health(config: EngineConfig) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{config.host}:{config.port}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{config.server.host}:{config.server.port}/health", timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -75,17 +75,17 @@ def _health(config: EngineConfig) -> bool:
 def demo_request(config: EngineConfig) -> str:
     body = json.dumps(
         {
-            "model": config.served_model_name,
+            "model": config.model.served_model_name,
             "messages": [{"role": "user", "content": DEMO_PROMPT}],
             "max_tokens": 48,
             "temperature": 0,
         }
     ).encode()
     headers = {"Content-Type": "application/json"}
-    if config.api_key:
-        headers["Authorization"] = f"Bearer {config.api_key}"
+    if config.server.api_key:
+        headers["Authorization"] = f"Bearer {config.server.api_key}"
     req = urllib.request.Request(
-        f"http://{config.host}:{config.port}/v1/chat/completions", data=body, headers=headers
+        f"http://{config.server.host}:{config.server.port}/v1/chat/completions", data=body, headers=headers
     )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["choices"][0]["message"]["content"]
@@ -109,7 +109,7 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
-    os.makedirs(config.run_dir, exist_ok=True)
+    os.makedirs(config.ipc.run_dir, exist_ok=True)
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
@@ -122,9 +122,9 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
     try:
         procs.append(("frontend", _spawn("frontend", config)))
         procs.append(("scheduler", _spawn("scheduler", config)))
-        for rank in range(config.tensor_parallel_size):
+        for rank in range(config.parallel.tensor_parallel_size):
             procs.append((f"worker {rank}", _spawn("worker", config, "--rank", str(rank))))
-        print(f"subway: loading {config.model} ...", flush=True)
+        print(f"subway: loading {config.model.path} ...", flush=True)
         ready = False
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
@@ -135,10 +135,10 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 break
             if not ready and _health(config):
                 ready = True
-                url = f"http://{config.host}:{config.port}"
-                print(f"subway: serving {config.served_model_name} at {url}/v1", flush=True)
-                if config.client_addr != "off":
-                    zmq_addr = config.client_addr or f"ipc://{config.run_dir}/client.sock"
+                url = f"http://{config.server.host}:{config.server.port}"
+                print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
+                if config.server.client_addr != "off":
+                    zmq_addr = config.server.client_addr or f"ipc://{config.ipc.run_dir}/client.sock"
                     print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
                 if demo:
                     print(f"subway: demo> {DEMO_PROMPT}", flush=True)
@@ -149,7 +149,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 print("subway: press Ctrl-C to stop", flush=True)
             time.sleep(0.2)
     finally:
-        _stop(procs, drain_timeout=config.shutdown_timeout if code == 0 else 0.0)
+        _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
         left = remove_leftovers(config)
         if left:
             print(f"subway: removed leftover shared memory {left}", file=sys.stderr)

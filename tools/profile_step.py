@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     B, C, bs = a.batch, a.context, 16
     per_seq = C // bs + 2
-    cfg = EngineConfig(model=ensure_default_model(), dtype=a.dtype, num_kv_blocks=B * per_seq)
+    cfg = EngineConfig.build(path=ensure_default_model(), dtype=a.dtype, num_kv_blocks=B * per_seq)
     runner = ModelRunner(cfg)
     greedy = SamplingParams(temperature=0.0)
     for i in range(B):

@@ -43,7 +43,7 @@ def maybe_decode_graphs(runner) -> DecodeGraphs | None:
         or dispatch.backend(runner.device) != "triton"
     ):
         return None
-    return DecodeGraphs(runner, capture_sizes(config.max_num_seqs), capture=True)
+    return DecodeGraphs(runner, capture_sizes(config.scheduler.max_num_seqs), capture=True)
 
 
 class DecodeGraphs:

@@ -63,26 +63,26 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     """Serve plans until Shutdown or SIGTERM (0), or until a step fails (1, after a WorkerError)."""
     stop = _Stop()
     stop.install()
-    if config.threads > 0:
-        torch.set_num_threads(config.threads)
+    if config.parallel.threads > 0:
+        torch.set_num_threads(config.parallel.threads)
     codec_in, codec_out = Codec(ToWorker), Codec(FromWorker)
     ctx = zmq.Context()
-    sub = connect(ctx, zmq.SUB, config.plan_addr)
+    sub = connect(ctx, zmq.SUB, config.ipc.plan_addr)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    push = connect(ctx, zmq.PUSH, config.result_addr)
+    push = connect(ctx, zmq.PUSH, config.ipc.result_addr)
     runner: ModelRunner | None = None
     sampled: TokenBuffer | None = None
     monitor: zmq.Socket | None = None
     try:
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         if world > 1:
             init_distributed(
-                world, rank, config.dist_init_addr, resolve_device(config.device, rank)
+                world, rank, config.parallel.dist_init_addr, resolve_device(config.model.device, rank)
             )
         runner = ModelRunner(config, rank, world)
-        if rank == 0 and config.use_shm:
+        if rank == 0 and config.ipc.use_shm:
             sampled = TokenBuffer.create(
-                config.sampled_shm_name, config.max_num_seqs * SAMPLED_SLOTS
+                config.ipc.sampled_shm_name, config.scheduler.max_num_seqs * SAMPLED_SLOTS
             )
         push.send(
             codec_out.encode(
@@ -119,7 +119,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             out = runner.execute(msg)
             done = time.perf_counter()
             if rank == 0:
-                result = _result(msg.step, out, sampled, config.max_num_seqs)
+                result = _result(msg.step, out, sampled, config.scheduler.max_num_seqs)
                 result.forward_time = done - received
                 result.idle_time = received - last_sent
                 push.send(codec_out.encode(result))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,23 +54,25 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.tp = TensorParallel(rank, world_size)
-        self.path = config.model or _default_model()
+        if not config.model.path:
+            raise ValueError("no model path: the launcher resolves the default model")
+        self.path = config.model.path
         mc = load_model_config(self.path)
         self.model_config = mc
-        self.device = resolve_device(config.device, rank)
-        self.dtype = resolve_dtype(config.dtype, mc.dtype, self.device)
-        self.block_size = config.block_size
+        self.device = resolve_device(config.model.device, rank)
+        self.dtype = resolve_dtype(config.model.dtype, mc.dtype, self.device)
+        self.block_size = config.cache.block_size
         limit = mc.max_position_embeddings
         if mc.sliding_window:
             limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside it
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = config.model.max_model_len or limit
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_ids)
         self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len)
         load_weights(self.model, self.path)
         self.model.eval()
-        if self.device.type == "cpu" and os.environ.get("SUBWAY_PACK_WEIGHTS", "1") != "0":
-            self.model.pack_weights(config.max_num_seqs)  # oneDNN layout: see layers.pack_weight
+        if self.device.type == "cpu" and config.model.pack_weights:
+            self.model.pack_weights(config.scheduler.max_num_seqs)  # oneDNN layout: see layers.pack_weight
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (mc.num_layers, attn.num_kv_heads, mc.head_dim)
         self.num_blocks = self._count_blocks()
@@ -79,7 +80,7 @@ class ModelRunner:
             mc.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, mc.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.model.seed)
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}
@@ -88,16 +89,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _count_blocks(self) -> int:
-        if self.config.num_kv_blocks > 0:
-            return self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks > 0:
+            return self.config.cache.num_kv_blocks
         layers, heads, head_dim = self._kv_shape
         per_block = block_bytes(layers, self.block_size, heads, head_dim, self.dtype)
         if self.device.type == "cuda":
             budget = cuda_kv_budget(
-                self.config.gpu_memory_utilization, self.device, self._profile_peak()
+                self.config.cache.gpu_memory_utilization, self.device, self._profile_peak()
             )
         else:
-            budget = self.config.kv_cache_memory
+            budget = self.config.cache.kv_cache_memory
         blocks = budget // per_block
         if blocks < 1:
             raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes)")
@@ -106,7 +107,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_peak(self) -> int:
         """Peak CUDA bytes of one step of the largest batch, run on a scratch KV cache."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         layers, heads, head_dim = self._kv_shape
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -119,7 +120,7 @@ class ModelRunner:
         md = build_metadata(qlens, ctx, table, slots, self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        sample = torch.arange(max(0, n - self.config.max_num_seqs), n, device=self.device)
+        sample = torch.arange(max(0, n - self.config.scheduler.max_num_seqs), n, device=self.device)
         hidden = self.model(ids, pos, md, caches, sample)
         # The sampler's worst case too: every row sorted for top-k/top-p, with logprobs.
         worst = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=5)
@@ -133,7 +134,7 @@ class ModelRunner:
 
     def _prompt_buffer(self, ref: TokenRef) -> TokenBuffer | None:
         if ref.ids is None and self._prompts is None:
-            self._prompts = TokenBuffer.attach(self.config.prompt_shm_name)
+            self._prompts = TokenBuffer.attach(self.config.ipc.prompt_shm_name)
         return self._prompts
 
     def close(self) -> None:
@@ -243,9 +244,3 @@ class ModelRunner:
             if self.prompt_lps.active:
                 result.prompt_logprobs = self.prompt_lps.emit(result.seq_ids)
         return result
-
-
-def _default_model() -> str:
-    from subway.worker.default_model import ensure_default_model
-
-    return ensure_default_model(quiet=True)
