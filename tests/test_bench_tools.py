@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from subway.tools import bench_hf, bench_serving, plots, sweep, workload
-from subway.tools.workload import Request
+from subway.tools.bench import bench_hf, bench_serving, plots, sweep, workload
+from subway.tools.bench.workload import Request
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +343,7 @@ def test_sweep_against_fake_servers(tokenizer, tmp_path) -> None:
 
 
 def test_profile_run_accounts_for_every_step(tiny_llama, capsys) -> None:
-    from subway.tools import profile_run
+    from subway.tools.bench import profile_run
 
     profile_run.main(["--model", tiny_llama, "--dtype", "float32", "--num-requests", "6"])
     out = capsys.readouterr().out
@@ -359,7 +359,7 @@ def test_profile_run_accounts_for_every_step(tiny_llama, capsys) -> None:
 
 
 def test_bench_linear_prints_both_paths(capsys) -> None:
-    from subway.tools import bench_linear
+    from subway.tools.bench import bench_linear
 
     bench_linear.main(["--dtype", "float32", "--batches", "2"])
     row = capsys.readouterr().out.splitlines()[-1]

@@ -7,7 +7,7 @@ TTFT is the time to the first chunk with text, ITL the gaps between chunks with 
 TPOT (e2e - TTFT) / (output tokens - 1). Output tokens come from the final usage chunk
 when the server sends one, else from the number of chunks with text.
 
-    python -m subway.tools.bench_serving --base-url http://127.0.0.1:8000 \\
+    python -m subway.tools.bench.bench_serving --base-url http://127.0.0.1:8000 \\
         --workload wl.jsonl --out result.json [--max-concurrency 16] \\
         [--slo-ttft-ms 1000 --slo-tpot-ms 100] [--metrics-url http://127.0.0.1:8000/metrics]
 """
@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from subway.tools.workload import Request, load_jsonl
+from subway.tools.bench.workload import Request, load_jsonl
 
 SERVER_METRICS = (
     "subway:generation_tokens_total",
@@ -344,7 +344,7 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", required=True, help="JSONL from subway.tools.workload")
+    p.add_argument("--workload", required=True, help="JSONL from subway.tools.bench.workload")
     p.add_argument("--limit", type=int, default=0, help="only the first N requests")
     p.add_argument("--model", default="", help="model name (default: the server's first)")
     p.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")

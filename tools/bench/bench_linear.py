@@ -1,6 +1,6 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU.
 
-    python -m subway.tools.bench_linear [--dtype bfloat16] [--threads 2]
+    python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
 The linear layers of 30 SmolLM2-135M decoder layers (qkv 832x576, o 576x576,
 gate_up 3072x576, down 576x1536), each with its own weights so that they come

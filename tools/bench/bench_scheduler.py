@@ -24,7 +24,7 @@ Two kinds of step, at each number of running sequences N:
   lets in): each step has the running decodes plus prefill chunks up to the
   budget of N + 512 tokens, admissions, finishes, cache lookups and keying.
 
-    python -m subway.tools.bench_scheduler [--sizes 1 64 256 1024] [--steps 600] [--repeat 1]
+    python -m subway.tools.bench.bench_scheduler [--sizes 1 64 256 1024] [--steps 600] [--repeat 1]
 """
 
 from __future__ import annotations

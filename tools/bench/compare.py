@@ -7,10 +7,10 @@ Runs, one after another on the same machine and the same JSONL workload:
   - transformers' own continuous batching, where the installed version has it,
 then prints one table of output throughput, ratios and latencies, and writes JSON.
 
-    python -m subway.tools.compare --out docs/bench/compare.json
+    python -m subway.tools.bench.compare --out docs/bench/compare.json
 
-The Subway runs go through HTTP with streaming (tools/bench_serving.py); the
-transformers runs are offline (tools/bench_hf.py), which only flatters them.
+The Subway runs go through HTTP with streaming (tools/bench/bench_serving.py); the
+transformers runs are offline (tools/bench/bench_hf.py), which only flatters them.
 While Subway serves, /metrics is sampled to find the peak of KV blocks in use,
 against what a static allocation to the longest sequence would have reserved.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from subway.tools import bench_hf, bench_serving, workload
+from subway.tools.bench import bench_hf, bench_serving, workload
 
 # Arithmetic bounds of this CPU for the standard workload, from the issue's measurement
 # (180 GFLOP/s float32, 410 GFLOP/s bfloat16 over the workload's FLOPs).

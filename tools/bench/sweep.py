@@ -1,6 +1,6 @@
 """Request-rate sweep: the same seeded workload at each rate, against one or more servers.
 
-    python -m subway.tools.sweep --url subway=http://127.0.0.1:8000 \\
+    python -m subway.tools.bench.sweep --url subway=http://127.0.0.1:8000 \\
         --url llama.cpp=http://127.0.0.1:8080 --rates 1,2,4,inf --num-requests 64 \\
         --out-dir docs/img
 
@@ -37,9 +37,14 @@ import math
 import os
 from typing import Any
 
-from subway.tools.bench_serving import Slo, benchmark, format_table
-from subway.tools.plots import plot_sweep
-from subway.tools.workload import add_workload_args, load_tokenizer, save_jsonl, workload_from_args
+from subway.tools.bench.bench_serving import Slo, benchmark, format_table
+from subway.tools.bench.plots import plot_sweep
+from subway.tools.bench.workload import (
+    add_workload_args,
+    load_tokenizer,
+    save_jsonl,
+    workload_from_args,
+)
 
 
 def parse_urls(items: list[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """The CPU decode-attention kernel against the PyTorch reference, side by side.
 
-    python -m subway.tools.bench_decode_kernel
+    python -m subway.tools.bench.bench_decode_kernel
 
 64 decodes with SmolLM2-135M's heads (9 query, 3 KV, head dim 64), block size
 16, one layer's cache; contexts either mixed (1 to 300 tokens, random block

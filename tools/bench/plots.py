@@ -1,6 +1,6 @@
 """Plots of a request-rate sweep (headless, Agg): one line per system.
 
-python -m subway.tools.plots docs/img/sweep.json --out-dir docs/img
+python -m subway.tools.bench.plots docs/img/sweep.json --out-dir docs/img
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def plot_sweep(systems: dict[str, list[dict[str, Any]]], out_dir: str) -> list[s
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("sweep_json", help="written by subway.tools.sweep")
+    p.add_argument("sweep_json", help="written by subway.tools.bench.sweep")
     p.add_argument("--out-dir", default="docs/img")
     a = p.parse_args(argv)
     with open(a.sweep_json) as f:

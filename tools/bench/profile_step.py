@@ -1,6 +1,6 @@
 """Where one decode step's time goes, on the CPU, with the real ModelRunner.
 
-    python -m subway.tools.profile_step [--dtype bfloat16] [--batch 64] [--context 256]
+    python -m subway.tools.bench.profile_step [--dtype bfloat16] [--batch 64] [--context 256]
 
 Prefills `--batch` sequences of `--context` tokens, then times decode steps of
 the whole batch and splits one step's time by function (cProfile: it sees the

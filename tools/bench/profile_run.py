@@ -1,8 +1,8 @@
 """Where a whole offline run's time goes: prefill steps against decode steps by batch size.
 
-    python -m subway.tools.profile_run [--dtype bfloat16] [--num-requests 64]
+    python -m subway.tools.bench.profile_run [--dtype bfloat16] [--num-requests 64]
 
-The standard workload (`tools/workload.py`, seed 0, all at once) through the
+The standard workload (`tools/bench/workload.py`, seed 0, all at once) through the
 real Scheduler and ModelRunner in one process (`tools/offline.py`), no HTTP.
 Every step's wall time is recorded with its token count. Prints the run's
 output tokens/s, the time in steps that carry prefill chunks, and the pure
@@ -19,7 +19,7 @@ import torch
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
-from subway.tools import workload
+from subway.tools.bench import workload
 from subway.tools.offline import OfflineEngine
 
 

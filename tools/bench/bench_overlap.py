@@ -1,6 +1,6 @@
 """Overlap on and off, side by side in one run: throughput and how long the workers sit idle.
 
-    python -m subway.tools.bench_overlap [--num-requests 32] [--dtype bfloat16]
+    python -m subway.tools.bench.bench_overlap [--num-requests 32] [--dtype bfloat16]
 
 Starts `subway serve` twice on the default model (with overlap, then with
 `--no-overlap`), runs the same workload through each, and reads the engine's
@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from subway.tools import bench_serving, workload
-from subway.tools.compare import subway_server, warmup_requests
+from subway.tools.bench import bench_serving, workload
+from subway.tools.bench.compare import subway_server, warmup_requests
 
 COUNTERS = (
     "subway:num_steps_total",

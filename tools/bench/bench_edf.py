@@ -19,7 +19,7 @@ first 64 are a shared system prompt), 20..150 output tokens. Every request
 ignores EOS. The engine: `--max-num-seqs` 32, `--max-num-batched-tokens`
 2048, `--num-blocks` 4096 blocks of 16 tokens, prefix caching on.
 
-    python -m subway.tools.bench_edf [--policies fcfs edf] [--seed 0] [--duration 120]
+    python -m subway.tools.bench.bench_edf [--policies fcfs edf] [--seed 0] [--duration 120]
 """
 
 from __future__ import annotations

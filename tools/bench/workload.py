@@ -10,7 +10,7 @@ Arrivals: `rate=inf` puts every arrival at 0 s; a finite rate draws Poisson arri
 `users=N` gives each request a `user` in 0..N-1, and the client runs one closed loop per
 user (each user sends its next request when its last one ends).
 
-    python -m subway.tools.workload --num-requests 64 --seed 0 --rate inf --out wl.jsonl
+    python -m subway.tools.bench.workload --num-requests 64 --seed 0 --rate inf --out wl.jsonl
 """
 
 from __future__ import annotations

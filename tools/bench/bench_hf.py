@@ -11,7 +11,7 @@ cb: transformers' own continuous batching (`model.init_continuous_batching()`, t
 manager behind `generate_batch`), one `add_request` per request at its arrival with its
 own `max_new_tokens` and EOS disabled; TTFT and latency from its per-token timestamps.
 
-    python -m subway.tools.bench_hf --workload wl.jsonl --mode static \\
+    python -m subway.tools.bench.bench_hf --workload wl.jsonl --mode static \\
         --batch-sizes 8,16,32 --dtypes float32,bfloat16 --out hf.json [--limit N]
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from subway.tools.bench_serving import stats_ms
-from subway.tools.workload import Request, load_jsonl
+from subway.tools.bench.bench_serving import stats_ms
+from subway.tools.bench.workload import Request, load_jsonl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,1 @@
+"""Benchmark, profiling and baseline scripts; the launcher stays in subway.tools."""
