@@ -1,4 +1,4 @@
-"""The frontend's native ZMQ endpoint: a ROUTER socket for `subway.frontend.client`.
+"""The frontend's native ZMQ endpoint: a ROUTER socket for `subway.client`.
 
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 from pydantic import ValidationError
 
-from subway.frontend.client_protocol import (
+from subway.client.protocol import (
     AbortGenerate,
     FromFrontendEndpoint,
     GenerateError,

@@ -1,4 +1,4 @@
-"""`subway.frontend.client` against a live `subway serve`: the native ZMQ endpoint
+"""`subway.client` against a live `subway serve`: the native ZMQ endpoint
 (blocking and asyncio clients) and the HTTP helper."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from subway.frontend.client import AsyncClient, Client, HTTPClient, RequestError
+from subway.client import AsyncClient, Client, HTTPClient, RequestError
 
 from serving import Server
 
@@ -127,7 +127,7 @@ def test_abort_and_leaving_early_free_the_engine(server, address):
 def test_a_client_that_dies_is_noticed(server, address):
     code = (
         "import sys, time\n"
-        "from subway.frontend.client import Client\n"
+        "from subway.client import Client\n"
         "c = Client(sys.argv[1])\n"
         "rid = c.submit('x ' * 20, max_tokens=400, ignore_eos=True, temperature=0)\n"
         "outs = c.outputs(rid)\n"

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from subway.frontend.client import Client, RequestError
+from subway.client import Client, RequestError
 from subway.ipc.config import EngineConfig
 
 from serving import Server

@@ -1,8 +1,9 @@
 """The messages of the frontend's native ZMQ endpoint (client DEALER <-> frontend ROUTER).
 
-Kept apart from the rest of the frontend so that a client imports only msgspec
-and pyzmq. Each message is one ZMQ frame of MessagePack; requests carry the
-client's own request id, which every answer repeats.
+The one module that both sides import: the clients of `subway.client` and the
+frontend's endpoint. It imports only msgspec. Each message is one ZMQ frame of
+MessagePack; requests carry the client's own request id, which every answer
+repeats.
 
     client -> frontend : GenerateRequest, AbortGenerate
     frontend -> client : GenerateOutput (one per step, or one at the end), GenerateError
@@ -54,3 +55,13 @@ class GenerateError(msgspec.Struct, tag="error"):
 
 ToFrontendEndpoint = GenerateRequest | AbortGenerate
 FromFrontendEndpoint = GenerateOutput | GenerateError
+
+
+class RequestError(RuntimeError):
+    """What the clients raise for a refused or failed request (a GenerateError, or an HTTP
+    error status): `status` as HTTP has it (400, 401, 429, 503, ...)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message

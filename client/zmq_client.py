@@ -1,10 +1,11 @@
-"""Python clients for a running Subway: native ZMQ (blocking and asyncio), and HTTP.
+"""Python clients for the frontend's native ZMQ endpoint: blocking `Client`, asyncio `AsyncClient`.
 
 The native endpoint skips HTTP and JSON: one DEALER socket to the frontend's
-ROUTER (`ipc://{run_dir}/client.sock` by default, see `subway.frontend.zmq_endpoint`),
-MessagePack frames, many requests in flight on one connection.
+ROUTER (`ipc://{run_dir}/client.sock` by default; the frontend logs it),
+MessagePack frames (`subway.client.protocol`), many requests in flight on one
+connection.
 
-    from subway.frontend.client import Client
+    from subway.client import Client
     with Client("ipc:///tmp/subway-RUNID/client.sock") as client:
         for out in client.stream("The capital of France is", max_tokens=16, temperature=0):
             print(out.text, end="", flush=True)
@@ -17,9 +18,7 @@ list of token ids. Leaving a stream early aborts its request; so does
 `RequestError` (with an HTTP-like `status`: 400, 401, 429, 503, ...).
 
 `Client` is not thread-safe: use one per thread, or `AsyncClient` on an event
-loop. `HTTPClient` is a small helper over the OpenAI-compatible HTTP API.
-
-This module imports only msgspec, pyzmq and (for `HTTPClient`) httpx.
+loop. This module imports only msgspec and pyzmq.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -37,29 +35,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from subway.frontend.client_protocol import (
+from subway.client.protocol import (
     AbortGenerate,
     FromFrontendEndpoint,
     GenerateError,
     GenerateOutput,
     GenerateRequest,
+    RequestError,
 )
-
-__all__ = [
-    "AsyncClient",
-    "Client",
-    "Completion",
-    "GenerateOutput",
-    "HTTPClient",
-    "RequestError",
-]
-
-
-class RequestError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -98,7 +81,15 @@ def _decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(FromFrontendEndpoint)
 
 
-# ---------------------------------------------------------------- blocking
+def _ends(answer: GenerateOutput | GenerateError) -> bool:
+    """The answer is its request's last: an error, or an output with a finish_reason."""
+    return isinstance(answer, GenerateError) or answer.finish_reason is not None
+
+
+def _output(answer: GenerateOutput | GenerateError) -> GenerateOutput:
+    if isinstance(answer, GenerateError):
+        raise RequestError(answer.status, answer.message)
+    return answer
 
 
 class Client:
@@ -150,15 +141,10 @@ class Client:
         Leaving the loop early aborts the request."""
         finished = False
         try:
-            while True:
-                out = self._next(request_id)
-                if isinstance(out, GenerateError):
-                    finished = True
-                    raise RequestError(out.status, out.message)
-                finished = out.finish_reason is not None
-                yield out
-                if finished:
-                    return
+            while not finished:
+                answer = self._next(request_id)
+                finished = _ends(answer)
+                yield _output(answer)
         finally:
             if not finished:
                 self.abort(request_id)
@@ -197,9 +183,6 @@ class Client:
             if other is not None:  # answers for other requests wait in their inbox
                 other.append(msg)
         return box.popleft()
-
-
-# ---------------------------------------------------------------- asyncio
 
 
 class AsyncClient:
@@ -252,7 +235,7 @@ class AsyncClient:
             raise KeyError(f"no request {request_id!r} in flight")
         finished = False
         try:
-            while True:
+            while not finished:
                 if self.timeout is None:
                     out = await queue.get()
                 else:
@@ -264,13 +247,8 @@ class AsyncClient:
                         ) from None
                 if isinstance(out, BaseException):
                     raise out
-                if isinstance(out, GenerateError):
-                    finished = True
-                    raise RequestError(out.status, out.message)
-                finished = out.finish_reason is not None
-                yield out
-                if finished:
-                    return
+                finished = _ends(out)
+                yield _output(out)
         finally:
             if not finished:
                 self.abort(request_id)
@@ -302,124 +280,3 @@ class AsyncClient:
         except Exception as e:  # the socket closed under us, say: fail what waits
             for queue in self._queues.values():
                 queue.put_nowait(e)
-
-
-# ---------------------------------------------------------------- HTTP
-
-
-class HTTPClient:
-    """A small helper over the HTTP API (the `openai` package is the full-featured one).
-
-    from subway.frontend.client import HTTPClient
-    http = HTTPClient("http://127.0.0.1:8000")
-    print(http.complete("The capital of France is", max_tokens=8)["choices"][0]["text"])
-    for piece in http.stream("Once upon a time", max_tokens=32):
-        print(piece, end="", flush=True)
-    """
-
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        api_key: str = "",
-        model: str | None = None,
-        timeout: float = 300.0,
-    ) -> None:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        self._model = model
-
-    def __enter__(self) -> HTTPClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._http.close()
-
-    @property
-    def model(self) -> str:
-        if self._model is None:
-            self._model = self._get("/v1/models")["data"][0]["id"]
-        return self._model
-
-    def health(self) -> bool:
-        try:
-            return self._http.get("/health").status_code == 200
-        except Exception:
-            return False
-
-    def complete(self, prompt: str | list[int] | list, **params) -> dict:
-        """POST /v1/completions; the response as a dict."""
-        return self._post("/v1/completions", {"model": self.model, "prompt": prompt, **params})
-
-    def chat(self, messages: list[dict], **params) -> dict:
-        return self._post(
-            "/v1/chat/completions", {"model": self.model, "messages": messages, **params}
-        )
-
-    def stream(self, prompt: str | list[int], **params) -> Iterator[str]:
-        """Text pieces of a streamed completion."""
-        body = {"model": self.model, "prompt": prompt, **params, "stream": True}
-        for event in self._events("/v1/completions", body):
-            for choice in event.get("choices", []):
-                if choice.get("text"):
-                    yield choice["text"]
-
-    def chat_stream(self, messages: list[dict], **params) -> Iterator[str]:
-        body = {"model": self.model, "messages": messages, **params, "stream": True}
-        for event in self._events("/v1/chat/completions", body):
-            for choice in event.get("choices", []):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    yield content
-
-    def tokenize(self, prompt: str, **params) -> list[int]:
-        return self._post("/tokenize", {"prompt": prompt, **params})["tokens"]
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return self._post("/detokenize", {"tokens": tokens})["prompt"]
-
-    def metrics(self) -> str:
-        r = self._http.get("/metrics")
-        _raise_for(r.status_code, r.text)
-        return r.text
-
-    def _get(self, path: str) -> dict:
-        r = self._http.get(path)
-        _raise_for(r.status_code, r.text)
-        return r.json()
-
-    def _post(self, path: str, body: dict) -> dict:
-        r = self._http.post(path, json=body)
-        _raise_for(r.status_code, r.text)
-        return r.json()
-
-    def _events(self, path: str, body: dict) -> Iterator[dict]:
-        with self._http.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                _raise_for(r.status_code, r.text)
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    err = event["error"]
-                    raise RequestError(int(err.get("code") or 500), err.get("message", ""))
-                yield event
-
-
-def _raise_for(status: int, text: str) -> None:
-    if status < 400:
-        return
-    try:
-        message = json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = text
-    raise RequestError(status, message)
