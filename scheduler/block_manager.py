@@ -116,7 +116,8 @@ class BlockManager:
         """The sequence's block table (empty if it holds none). Do not mutate it."""
         return self._tables.get(seq_id, [])
 
-    def num_tokens(self, seq_id: int) -> int:
+    def num_claimed(self, seq_id: int) -> int:
+        """Token slots claimed by `seq_id` (positions computed or planned)."""
         return self.claimed.get(seq_id, 0)
 
     def ref_count(self, block: int) -> int:
@@ -324,57 +325,3 @@ class BlockManager:
             count += 1
         self._keyed[seq_id] = (count, node)
         return (count + 1) * bs
-
-    # ------------------------------------------------------------ invariants
-
-    def check(self) -> None:
-        """Verify the invariants (for tests): counts, states, the cache, sharing."""
-        counts = [0] * self.num_blocks
-        for table in self._tables.values():
-            if len(set(table)) != len(table):
-                raise AssertionError(f"a block twice in one table: {table}")
-            for b in table:
-                counts[b] += 1
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
-        evictable = {b for b in range(self.num_blocks) if self._stamp[b]}
-        live = [e for e in self._lru if self._stamp[e % self.num_blocks] == e // self.num_blocks]
-        if sorted(e % self.num_blocks for e in live) != sorted(evictable):
-            raise AssertionError("the LRU queue and the evictable blocks disagree")
-        if len(evictable) != self._num_evictable:
-            raise AssertionError("the evictable count is off")
-        if free & evictable:
-            raise AssertionError(f"blocks both free and evictable: {free & evictable}")
-        for b in range(self.num_blocks):
-            if counts[b] != self._ref[b]:
-                raise AssertionError(f"block {b}: ref {self._ref[b]}, in {counts[b]} tables")
-            idle = b in free or b in evictable
-            if idle == (counts[b] > 0):
-                raise AssertionError(f"block {b}: idle={idle}, refs={counts[b]}")
-            if b in evictable and self._tokens[b] is None:
-                raise AssertionError(f"evictable block {b} is not cached")
-            if b in free and self._tokens[b] is not None:
-                raise AssertionError(f"free block {b} is still cached")
-            if counts[b] > 1 and self._tokens[b] is None:
-                raise AssertionError(f"block {b} is shared by {counts[b]} tables but not cached")
-            if self._tokens[b] is not None and self._cache.get(self._key[b]) != b:
-                raise AssertionError(f"block {b} is cached but the cache does not point to it")
-        for h, b in self._cache.items():
-            if self._key[b] != h:
-                raise AssertionError(f"cache entry for block {b} has a stale key")
-            toks = self._tokens[b]
-            if toks is None or len(toks) != self.block_size * TOKEN_BYTES:
-                raise AssertionError(f"block {b} is cached but not full")
-            if _key_hash((self._parent[b], toks)) != h:
-                raise AssertionError(f"block {b} is cached under a key that is not its own")
-        if len(self._cache) != sum(t is not None for t in self._tokens):
-            raise AssertionError("the cache and the cached blocks disagree")
-        for seq_id, table in self._tables.items():
-            n = self.claimed.get(seq_id, 0)
-            if len(table) != -(-n // self.block_size):
-                raise AssertionError(f"sequence {seq_id}: {len(table)} blocks for {n} tokens")
-            count, _ = self._keyed.get(seq_id, (0, 0))
-            for b in table[count:]:
-                if counts[b] > 1:
-                    raise AssertionError(f"sequence {seq_id} shares block {b} beyond its prefix")

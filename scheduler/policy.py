@@ -3,13 +3,13 @@
 A policy is a small object with one required method, `key`: the scheduler
 keeps its waiting queue sorted by it (lowest first), gives the step's token
 budget to prefill chunks and admissions in its order (after the running
-decodes), and, when KV blocks run out, preempts the running sequence with the
+decodes), and, when KV blocks run out, preempts the running request with the
 highest key. The optional hooks:
 
-- `may_preempt(seq, victim)`: a waiting `seq` that cannot be admitted (no
+- `may_preempt(req, victim)`: a waiting `req` that cannot be admitted (no
   blocks, or `max_num_seqs` reached) may preempt the running `victim`.
   Off by default; it must be a strict order (never both ways), or two
-  sequences could preempt each other forever.
+  requests could preempt each other forever.
 - `begin_step` / `can_admit`: hold admissions back (static batching).
 - `dynamic` / `refresh(now)`: for keys that change with time; the queue is
   then re-sorted every step. No policy here needs it: aging and deadlines are
@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from subway.scheduler.request import Sequence
+from subway.scheduler.request import Request
 
 
 class Policy:
@@ -40,27 +40,27 @@ class Policy:
     dynamic = False  # keys depend on time: re-sort the waiting queue every step
     preemptive = False  # may_preempt can be true
 
-    def key(self, seq: Sequence) -> Any:
+    def key(self, req: Request) -> Any:
         """Sort key: lower is served first (and preempted last). Must not change while the
-        sequence is queued, unless `dynamic`."""
+        request is queued, unless `dynamic`."""
         raise NotImplementedError
 
     def refresh(self, now: float) -> None:
         """Called once per step before sorting when `dynamic` (to fix `now` for the keys)."""
 
-    def pick_victim(self, candidates: Iterable[Sequence]) -> Sequence:
-        """The running sequence to preempt when blocks run out: the one served last."""
+    def pick_victim(self, candidates: Iterable[Request]) -> Request:
+        """The running request to preempt when blocks run out: the one served last."""
         return max(candidates, key=self.key)
 
-    def may_preempt(self, seq: Sequence, victim: Sequence) -> bool:
-        """Whether waiting `seq` may preempt running `victim` to be admitted."""
+    def may_preempt(self, req: Request, victim: Request) -> bool:
+        """Whether waiting `req` may preempt running `victim` to be admitted."""
         return False
 
-    def begin_step(self, waiting: list[Sequence], num_running: int, max_num_seqs: int) -> None:
+    def begin_step(self, waiting: list[Request], num_running: int, max_num_seqs: int) -> None:
         """Called at the start of each step, before anything is scheduled."""
 
-    def can_admit(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` may be admitted now (skipped, not blocking, if not)."""
+    def can_admit(self, req: Request) -> bool:
+        """Whether waiting `req` may be admitted now (skipped, not blocking, if not)."""
         return True
 
 
@@ -84,15 +84,15 @@ class Priority(Policy):
     def __init__(self) -> None:
         self.key = operator.attrgetter("priority", "seq_id")
 
-    def may_preempt(self, seq: Sequence, victim: Sequence) -> bool:
-        return victim.priority > seq.priority
+    def may_preempt(self, req: Request, victim: Request) -> bool:
+        return victim.priority > req.priority
 
 
 class SJF(Policy):
     """Shortest expected job first, with aging.
 
     A job's expected size is its prompt length plus `max_tokens` (capped by
-    the model length): `seq.token_limit` tokens. Waiting ages a job by
+    the model length): `req.token_limit` tokens. Waiting ages a job by
     `aging_rate` tokens per second: at time t its effective size is
     `size - aging_rate * (t - arrival)`. Every waiting job ages at the same
     rate, so the order never changes while they wait, and the key can be the
@@ -109,8 +109,8 @@ class SJF(Policy):
             raise ValueError("aging_rate must be positive (or jobs could wait forever)")
         self.aging_rate = aging_rate
 
-    def key(self, seq: Sequence) -> tuple[float, int]:
-        return (seq.token_limit + self.aging_rate * seq.arrival_time, seq.seq_id)
+    def key(self, req: Request) -> tuple[float, int]:
+        return (req.token_limit + self.aging_rate * req.arrival_time, req.seq_id)
 
 
 class EDF(Policy):
@@ -138,20 +138,20 @@ class EDF(Policy):
         self.interactive_ttft_ms = interactive_ttft_ms
         self.batch_ttft_ms = batch_ttft_ms
 
-    def deadline(self, seq: Sequence) -> float:
-        slo = seq.slo_ttft_ms
+    def deadline(self, req: Request) -> float:
+        slo = req.slo_ttft_ms
         if slo is None or slo <= 0:
-            slo = self.batch_ttft_ms if seq.slo_class == "batch" else self.interactive_ttft_ms
-        return seq.arrival_time + slo / 1000.0
+            slo = self.batch_ttft_ms if req.slo_class == "batch" else self.interactive_ttft_ms
+        return req.arrival_time + slo / 1000.0
 
-    def key(self, seq: Sequence) -> tuple[float, int]:
-        return (self.deadline(seq), seq.seq_id)
+    def key(self, req: Request) -> tuple[float, int]:
+        return (self.deadline(req), req.seq_id)
 
-    def may_preempt(self, seq: Sequence, victim: Sequence) -> bool:
+    def may_preempt(self, req: Request, victim: Request) -> bool:
         return (
             victim.slo_class == "batch"
-            and seq.slo_class != "batch"
-            and self.key(victim) > self.key(seq)
+            and req.slo_class != "batch"
+            and self.key(victim) > self.key(req)
         )
 
 
@@ -172,7 +172,7 @@ class Static(Policy):
         self.window_s = window_s
         self._idle_since: float | None = None
 
-    def begin_step(self, waiting: list[Sequence], num_running: int, max_num_seqs: int) -> None:
+    def begin_step(self, waiting: list[Request], num_running: int, max_num_seqs: int) -> None:
         if num_running or not waiting or (self.members and any(
             s.seq_id in self.members for s in waiting
         )):  # fmt: skip
@@ -185,8 +185,8 @@ class Static(Policy):
             self.members = {s.seq_id for s in waiting[:max_num_seqs]}
             self._idle_since = None
 
-    def can_admit(self, seq: Sequence) -> bool:
-        return seq.seq_id in self.members
+    def can_admit(self, req: Request) -> bool:
+        return req.seq_id in self.members
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -1,4 +1,4 @@
-"""One request's state inside the scheduler: a `Sequence`."""
+"""One request's state inside the scheduler: a `Request`."""
 
 from __future__ import annotations
 
@@ -9,27 +9,28 @@ from dataclasses import dataclass, field
 from subway.ipc.messages import SamplingParams, TokenRef
 from subway.scheduler.block_manager import TOKEN_TYPE
 
-NEVER = 1 << 62  # a position no sequence reaches: "no more blocks to key" when caching is off
+NEVER = 1 << 62  # a position no request reaches: "no more blocks to key" when caching is off
 
 
-class SeqStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = 0  # queued, or preempted and queued again; holds no KV blocks
     RUNNING = 1  # admitted: holds KV blocks, gets a prefill chunk or a decode each step
     FINISHED = 2
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
-    """A request as the scheduler sees it (one sequence per request).
+class Request:
+    """A request as the scheduler sees it. Plans name it by `seq_id`.
 
-    Token accounting, with `num_tokens = len(prompt_ids) + len(output_ids)`:
+    Token accounting, with `length = len(prompt_ids) + len(output_ids)` (the
+    tokens known to the scheduler; `num_tokens` is only ever what one step feeds):
 
     - `num_computed_tokens`: positions whose KV is written or planned (a sent
       plan covers them), cached prefix included. Reset to 0 by preemption.
     - `num_inflight`: tokens that sent plans sample but whose results have not
-      arrived. With overlap, the next plan assumes they exist: the sequence's
+      arrived. With overlap, the next plan assumes they exist: the request's
       next input is at position `num_computed_tokens`, and
-      `num_tokens + num_inflight - num_computed_tokens` tokens are still to be
+      `length + num_inflight - num_computed_tokens` tokens are still to be
       fed (1 for a decode, more for a prefill).
     """
 
@@ -45,38 +46,22 @@ class Sequence:
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"
     output_ids: array = field(default_factory=lambda: array(TOKEN_TYPE))
-    status: SeqStatus = SeqStatus.WAITING
-    num_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    length: int = 0
     num_computed_tokens: int = 0
     num_inflight: int = 0
     num_slots: int = 0  # token slots of its block table (a multiple of the block size)
-    sent: bool = False  # NewSeq went out: the workers know this sequence
+    sent: bool = False  # NewSeq went out: the workers know this request
     reported: bool = False  # a delta went out (the first one carries num_prompt_tokens)
     scheduled_step: int = -1  # last plan that scheduled it
     admitted_step: int = -1  # last plan that admitted it (from waiting)
-    num_preemptions: int = 0
     preempted: bool = False  # waiting after a preemption
     num_cached_tokens: int = 0  # prefix-cache hit of the admission that gave the first token
     # Prefix caching: key its blocks when it is scheduled at this position or later (the end
     # of its next unkeyed block); NEVER when caching is off or once it decodes.
     cache_upto: int = NEVER
     first_scheduled_time: float | None = None  # the scheduler's clock at its first admission
-    first_token_time: float | None = None
-    finish_reason: str | None = None
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def num_to_feed(self) -> int:
-        """Tokens still to be fed to the model before the next sample (1 when decoding)."""
-        return self.num_tokens + self.num_inflight - self.num_computed_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids.tolist() + self.output_ids.tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from invariants import check_block_manager
 
 from subway.scheduler.block_manager import BlockManager
 
@@ -15,17 +16,17 @@ def test_allocate_as_you_grow():
     assert bm.blocks_needed(1, 5) == 2
     new = bm.allocate(1, 5)
     assert len(new) == 2 and bm.block_table(1) == new
-    assert bm.num_tokens(1) == 5
+    assert bm.num_claimed(1) == 5
     assert bm.allocate(1, 3) == []  # fills the second block
     assert bm.blocks_needed(1, 1) == 1
     assert len(bm.allocate(1, 1)) == 1
     assert (bm.num_free_blocks, bm.num_used_blocks) == (5, 3)
     assert bm.max_new_tokens(1) == 3 + 5 * 4
-    bm.check()
+    check_block_manager(bm)
     assert bm.free(1) == 3
     assert (bm.num_free_blocks, bm.num_used_blocks) == (8, 0)
     assert bm.block_table(1) == []
-    bm.check()
+    check_block_manager(bm)
 
 
 def test_exhaustion_changes_nothing():
@@ -38,8 +39,8 @@ def test_exhaustion_changes_nothing():
     assert bm.block_table(2) == [] and bm.num_free_blocks == 1
     with pytest.raises(MemoryError):
         bm.allocate(1, 3)
-    assert bm.num_tokens(1) == 4 and len(bm.block_table(1)) == 2
-    bm.check()
+    assert bm.num_claimed(1) == 4 and len(bm.block_table(1)) == 2
+    check_block_manager(bm)
 
 
 def test_free_is_idempotent_per_sequence_and_double_free_raises():
@@ -73,10 +74,10 @@ def test_random_workload_never_leaks():
                 with pytest.raises(MemoryError):
                     bm.allocate(sid, n)
         if i % 100 == 0:
-            bm.check()
+            check_block_manager(bm)
     for sid in live:
         bm.free(sid)
-    bm.check()
+    check_block_manager(bm)
     assert bm.num_free_blocks == 32
 
 
@@ -103,7 +104,7 @@ def test_full_blocks_are_cached_and_shared_read_only():
     assert table[:2] == t1[:2] and table[2] != t1[2]  # the partial block is private
     assert [bm.ref_count(b) for b in t1] == [2, 2, 1]
     assert bm.num_used_blocks == 4
-    bm.check()
+    check_block_manager(bm)
 
 
 def test_lookup_stops_at_first_miss_and_respects_the_cap():
@@ -128,12 +129,12 @@ def test_cached_blocks_outlive_their_sequence_and_are_evicted_lru():
     bm.cache_blocks(2, b, [], 4)
     bm.free(2)
     assert (bm.num_used_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (0, 4, 4)
-    bm.check()
+    check_block_manager(bm)
     # Taking 2 blocks evicts the least recently freed: sequence 1's (its tail first).
     bm.allocate(3, 4)
     assert bm.num_evictions == 2
     assert bm.lookup(a, [], 2) == [] and len(bm.lookup(b, [], 2)) == 2
-    bm.check()
+    check_block_manager(bm)
     # A hit on an evictable block takes it back out of the LRU.
     hits = bm.lookup(b, [], 1)
     assert bm.admission_cost(hits, 1) == 2
@@ -142,7 +143,7 @@ def test_cached_blocks_outlive_their_sequence_and_are_evicted_lru():
     assert (bm.num_used_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (4, 0, 0)
     with pytest.raises(MemoryError):
         bm.allocate(5, 1)
-    bm.check()
+    check_block_manager(bm)
 
 
 def test_tail_block_is_evicted_before_the_head():
@@ -168,7 +169,7 @@ def test_same_prefix_computed_twice_is_cached_once():
     bm.free(1)
     bm.free(2)
     assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 8
-    bm.check()
+    check_block_manager(bm)
 
 
 def test_no_caching_when_disabled():
@@ -193,7 +194,7 @@ def test_admission_cost_counts_evictable_hits():
     bm.free(2)
     table = bm.allocate_with_prefix(3, hits, 1)
     assert table[:2] == hits and bm.num_free_blocks == 1
-    bm.check()
+    check_block_manager(bm)
 
 
 @pytest.mark.parametrize("sweep_slack", [1024, 0])
@@ -207,14 +208,14 @@ def test_random_workload_with_sharing_never_leaks(sweep_slack):
     for i in range(4000):
         sid = rng.randrange(16)
         if sid in live and rng.random() < 0.3:
-            bm.cache_blocks(sid, live[sid], [], bm.num_tokens(sid))
+            bm.cache_blocks(sid, live[sid], [], bm.num_claimed(sid))
             bm.free(sid)
             del live[sid]
         elif sid in live:
             toks = live[sid]
             n = rng.randrange(1, 6)
             if bm.can_allocate(sid, n):
-                done = bm.num_tokens(sid)
+                done = bm.num_claimed(sid)
                 bm.allocate(sid, n)
                 toks += [rng.randrange(5) for _ in range(n)]
                 bm.cache_blocks(sid, toks, [], done)  # only what earlier "steps" computed
@@ -226,10 +227,10 @@ def test_random_workload_with_sharing_never_leaks(sweep_slack):
                 bm.allocate_with_prefix(sid, hits, n)
                 live[sid] = toks
         if i % 50 == 0:
-            bm.check()
+            check_block_manager(bm)
     for sid in list(live):
         bm.free(sid)
-    bm.check()
+    check_block_manager(bm)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 24
     assert bm.num_evictions > 100 and bm.num_cached_blocks > 0
 
@@ -244,4 +245,4 @@ def test_hash_collisions_never_alias(monkeypatch):
     assert [bm.is_cached(b) for b in bm.block_table(1)] == [True, False]
     assert len(bm.lookup([1, 2, 3, 4, 5], [], 2)) == 1
     assert bm.lookup([9, 9, 3, 4], [], 2) == []  # same hash, other tokens: a miss
-    bm.check()
+    check_block_manager(bm)

@@ -386,7 +386,7 @@ def test_capture_sizes_and_when_graphs_apply():
 def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool):
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
-    from subway.tools.offline import OfflineEngine
+    from subway.llm import LLM
 
     config = EngineConfig.build(
         path=path,
@@ -397,7 +397,7 @@ def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool):
         max_num_batched_tokens=8,  # chunked prefill beside decodes
         max_num_seqs=4,
     )
-    engine = OfflineEngine(config)
+    engine = LLM(config)
     if emulate_graphs:
         from subway.worker.cuda_graph import DecodeGraphs
 
@@ -457,5 +457,5 @@ def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_g
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = hf_greedy(path, prompt, max_new)
         near_ties += compare(out.token_ids, ref, out.top_ids)
-    print(f"{arch}, triton (interpreted): {engine.steps} steps in {elapsed:.1f}s")
+    print(f"{arch}, triton (interpreted): {engine.scheduler.stats.num_steps_total} steps in {elapsed:.1f}s")
     assert near_ties == 0

@@ -226,4 +226,4 @@ def test_static_admits_a_batch_only_when_the_last_one_is_done():
     continuous = make_scheduler(policy=make_policy("fcfs"), max_num_seqs=3)
     fw = FakeWorker(256, 4)
     drive(continuous, reqs, False, fw)
-    assert len(fw.plans) < sched.num_steps  # what continuous batching buys
+    assert len(fw.plans) < sched.stats.num_steps_planned  # what continuous batching buys

@@ -72,7 +72,7 @@ def test_second_request_with_same_prefix_schedules_only_its_new_tokens(overlap):
     assert worker.num_tokens_computed - computed_before == 9 + 3
     assert firsts["second"].num_cached_tokens == 96
     assert firsts["second"].num_prompt_tokens == 105
-    stats = sched.stats()
+    stats = sched.engine_stats()
     assert stats.prefix_cache_hits_total == 96
     assert stats.prefix_cache_queries_total == 103 + 105
     assert_matches_reference(outs, [second], sched.max_model_len)
@@ -94,7 +94,7 @@ def test_running_sequences_share_blocks_read_only():
     outs = drive(sched, reqs, overlap=True, worker=worker, on_plan=on_plan)
     assert max(shared) >= 10  # the 10 prefix blocks, held by several at once
     assert_matches_reference(outs, reqs, sched.max_model_len)
-    assert sched.stats().prefix_cache_hits_total == 3 * 40
+    assert sched.engine_stats().prefix_cache_hits_total == 3 * 40
 
 
 @pytest.mark.parametrize("length,cached", [(32, 16), (33, 32), (31, 16), (15, 0)])
@@ -112,7 +112,7 @@ def test_stats_count_live_blocks_as_used_and_idle_cached_ones_as_free():
     sched = make_scheduler(num_blocks=32, block_size=4)
     worker = FakeWorker(32, 4)
     drive(sched, [Req("a", list(range(1, 18)), SP)], False, worker)  # 17 + 3 computed
-    s = sched.stats()
+    s = sched.engine_stats()
     assert s.kv_blocks_used == 0 and s.num_running == 0
     assert s.kv_blocks_cached == 5  # positions 0..19 were computed: 5 full blocks
     assert s.kv_blocks_free == 32 and s.kv_blocks_total == 32
@@ -157,7 +157,7 @@ def test_disabled_prefix_cache_never_hits():
     drive(sched, [Req("a", prompt, SP)], False, worker)
     outs, firsts = collect_first_deltas(sched, [Req("b", prompt, SP)], False, worker)
     assert first_steps(worker.plans)[1][0].start_pos == 0
-    s = sched.stats()
+    s = sched.engine_stats()
     assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total, s.kv_blocks_cached) == (
         0,
         0,
@@ -194,7 +194,7 @@ def test_outputs_identical_with_and_without_prefix_caching(num_blocks):
             assert_matches_reference(outs, reqs, sched.max_model_len)
             results[caching, overlap] = {k: (o.token_ids, o.finish_reason) for k, o in outs.items()}
             if caching:
-                assert sched.prefix_hits_total > 0
+                assert sched.stats.prefix_hits_total > 0
             if num_blocks == 14:
                 assert sched.num_preempted_total > 0
     assert all(r == results[False, False] for r in results.values())
@@ -205,7 +205,7 @@ def test_outputs_identical_with_and_without_prefix_caching(num_blocks):
 
 def _engine(model: str, caching: bool, num_blocks: int, **kw):
     from subway.ipc.config import EngineConfig
-    from subway.tools.offline import OfflineEngine
+    from subway.llm import LLM
 
     config = EngineConfig.build(
         path=model,
@@ -218,7 +218,7 @@ def _engine(model: str, caching: bool, num_blocks: int, **kw):
         enable_prefix_caching=caching,
         **kw,
     )
-    return OfflineEngine(config)
+    return LLM(config)
 
 
 def _run(engine, waves: list[list[list[int]]], sp: SamplingParams, overlap: bool) -> list[Out]:
@@ -260,7 +260,7 @@ def test_greedy_identical_with_prefix_cache_and_forced_preemption(tiny_models, a
         engine = _engine(path, caching, blocks)
         got = _run(engine, waves, sp, overlap)
         assert [o.token_ids for o in got] == want, (caching, blocks, overlap)
-        stats = engine.scheduler.stats()
+        stats = engine.scheduler.engine_stats()
         if caching:  # the system prompt's 9 full blocks, for the 4 of wave 2 that have it
             assert stats.prefix_cache_hits_total >= (4 * 36 if blocks == 512 else 1)
         if blocks == 20:
@@ -309,5 +309,5 @@ def test_outputs_identical_under_hash_collisions(monkeypatch):
                                max_num_batched_tokens=24)  # fmt: skip
         outs = drive(sched, reqs, overlap=True)
         assert_matches_reference(outs, reqs, sched.max_model_len)
-        assert sched.prefix_hits_total > 0
+        assert sched.stats.prefix_hits_total > 0
         assert num_blocks == 256 or sched.num_preempted_total > 0

@@ -17,7 +17,7 @@ import pytest
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
-from subway.tools.offline import OfflineEngine, Output
+from subway.llm import LLM, Output
 
 from reference import hf_greedy
 from serving import Server, free_port
@@ -26,7 +26,7 @@ from serving import Server, free_port
 
 
 def _overlap_run(config, prompts, stop_ids, overlap):
-    eng = OfflineEngine(config)
+    eng = LLM(config)
     ids = [
         eng.add(p, SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True))
         for i, p in enumerate(prompts)

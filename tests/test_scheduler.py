@@ -17,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from fake_worker import FakeWorker as _FakeWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariants import check_scheduler
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import AddRequest, Plan, SamplingParams, StepResult, TokenRef
-from subway.scheduler.fake_worker import FakeWorker as _FakeWorker
+from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -35,7 +37,7 @@ def hash_sample(tokens: list[int]) -> int:
 
 class FakeWorker(_FakeWorker):
     """Applies plans as a worker would, asserting the scheduler's promises (see
-    `subway.scheduler.fake_worker`): contiguous KV, blocks as needed, no write into a
+    `fake_worker.py`): contiguous KV, blocks as needed, no write into a
     shared block, the right KV read back through every block table."""
 
     def __init__(self, num_blocks: int, block_size: int, sample: Callable = hash_sample, **kw):
@@ -108,6 +110,24 @@ def collect(outs: dict[str, Out], deltas) -> None:
         o.finish_reason = d.finish_reason
 
 
+class Checked:
+    """The fake worker as the engine core's executor, each plan checked (and shown to
+    `on_plan(iteration, plan)`) as it is submitted."""
+
+    def __init__(self, sched: Scheduler, worker: FakeWorker, on_plan: Callable | None) -> None:
+        self.sched, self.worker, self.on_plan = sched, worker, on_plan
+        self.iteration = 0
+
+    def submit(self, plan: Plan) -> None:
+        check_plan(self.sched, plan)
+        if self.on_plan is not None:
+            self.on_plan(self.iteration, plan)
+        self.worker.submit(plan)
+
+    def collect(self) -> list:
+        return self.worker.collect()
+
+
 def drive(
     sched: Scheduler,
     reqs: list[Req],
@@ -125,25 +145,16 @@ def drive(
     aborts = sorted((r for r in reqs if r.abort_at is not None), key=lambda r: r.abort_at)
     aborts = deque(aborts)
     outs: dict[str, Out] = {}
-    inflight: deque = deque()
+    core = EngineCore(sched, Checked(sched, worker, on_plan), depth)
     for it in range(max_iters):
         while arrivals and arrivals[0].arrival <= it:
             add(sched, arrivals.popleft(), arrival_time=float(it))
         while aborts and aborts[0].abort_at <= it:
             sched.abort(aborts.popleft().request_id)
-        collect(outs, sched.pop_pending_deltas())
-        while len(inflight) < depth:
-            plan = sched.schedule()
-            if plan is None:
-                break
-            check_plan(sched, plan)
-            if on_plan is not None:
-                on_plan(it, plan)
-            inflight.append(worker.run(plan))
-        sched.check()  # the block manager's invariants and the scheduler's own
-        if inflight:
-            collect(outs, sched.process_result(*inflight.popleft()))
-        elif not arrivals and not aborts:
+        core.executor.iteration = it
+        collect(outs, core.step())
+        check_scheduler(sched)  # the block manager's invariants and the scheduler's own
+        if core.idle and not arrivals and not aborts:
             assert not sched.has_work, "the scheduler has work but planned nothing"
             break
     else:
@@ -421,7 +432,7 @@ def test_newseq_passes_the_token_ref_through():
     plan = sched.schedule()
     assert plan.new_seqs[0].prompt is ref and plan.new_seqs[0].sampling is req.sampling
     assert [(s.start_pos, s.num_tokens, s.sample) for s in plan.seqs] == [(0, 3, True)]
-    stats = sched.stats()
+    stats = sched.engine_stats()
     assert stats.num_running == 1 and stats.batch_size == 1 and stats.num_batched_tokens == 3
     assert stats.kv_blocks_used == 1 and stats.kv_blocks_free == 255 and stats.step == 1
 
@@ -459,15 +470,12 @@ def test_step_cost_at_256_running():
     worker = FakeWorker(256 * 64, 4, sample=lambda toks: 7, check_kv=False)
     for i in range(256):
         add(sched, Req(f"r{i}", [1] * 16, SamplingParams(max_tokens=4000, ignore_eos=True)))
-    pending = deque()
+    core = EngineCore(sched, worker, depth=2)
     times = []
     for _ in range(60):
-        t0 = time.perf_counter()
-        plan = sched.schedule()
-        times.append(time.perf_counter() - t0)
-        pending.append(worker.run(plan))
-        if len(pending) == 2:
-            sched.process_result(*pending.popleft())
+        core.step()
+        times.append(sched.stats.last_schedule_time)
+    plan = worker.plans[-1]
     decode_times = sorted(times[10:])
     median = decode_times[len(decode_times) // 2]
     print(f"schedule() at 256 running: median {median * 1e6:.0f} us")
@@ -702,14 +710,13 @@ def test_process_reports_worker_error(rig_dir):
 
 
 def test_stats_log_line():
-    from subway.scheduler.process import format_stats
-
     sched = make_scheduler(num_blocks=32, max_model_len=64, block_size=4)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     for i in range(3):
         add(sched, Req(f"r{i}", [1, 2, 3, 4, 5, i + 6], sp))
     sched.schedule()
-    line = format_stats(sched, steps=1, interval=5.0, sched_time=1e-4)
+    sched.stats.schedule_time_total = 1e-4  # the one step's planning time, fixed for the test
+    line = sched.stats.log_line(sched.engine_stats(), interval=5.0)
     assert "\n" not in line
     for part in ("running 3", "waiting 0", "3 seqs 18 tokens", "KV blocks used 6 cached 0",
                  "free 26/32", "prefix hit 0.0%", "0.2 steps/s", "schedule 100us/step"):  # fmt: skip

@@ -9,7 +9,7 @@ most of it on every plan and every iteration):
   (so preemption and prefix caching change nothing);
 - no block is leaked or double-freed, ref counts match the block tables, and
   every block is free, held, or cached-evictable, never two of these
-  (`BlockManager.check`, every iteration; all blocks come back at the end);
+  (`check_block_manager`, every iteration; all blocks come back at the end);
 - block tables never share a writable block: a block is in two tables only
   if it is a full, cached one, and the fake worker fails any write into a
   block that another sequence holds, and any read of KV that is not the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariants import check_block_manager
 from test_scheduler import VOCAB, FakeWorker, Req, drive, make_scheduler, reference
 
 from subway.ipc.messages import SamplingParams
@@ -142,7 +143,7 @@ def test_properties(work):
                     sched.max_model_len, len(r.prompt) + r.sampling.max_tokens
                 )
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
-    bm.check()
+    check_block_manager(bm)
 
     # Admission in key order, among the requests that had arrived and were not aborted.
     for q, tq in ev.admitted.items():

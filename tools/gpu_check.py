@@ -8,7 +8,7 @@ Sections, each guarded (a failure is a FAIL row, and the rest still runs):
    outputs and unused cache slots are poisoned with NaN first.
 2. timing: each Triton kernel against the PyTorch reference at a real size
    (CUDA events, median of 20 runs).
-3. equality: greedy output of the engine (OfflineEngine: the real Scheduler and
+3. equality: greedy output of the engine (`subway.llm.LLM`: the real Scheduler and
    ModelRunner) on tiny random Llama and Qwen3 models equals `transformers`'
    greedy `generate`, with CUDA graphs and with `enforce_eager`.
 4. throughput: a random-weight model of Llama-3-8B's shapes in bfloat16 on a
@@ -617,7 +617,7 @@ def compare(ours: list[int], our_top: list[list[int]], ref: tuple[list[int], lis
 def check_equality(ctx: Ctx, root: str) -> None:
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
-    from subway.tools.offline import OfflineEngine
+    from subway.llm import LLM
 
     dev, rep = ctx.device, ctx.report
     rng = random.Random(0)
@@ -632,10 +632,10 @@ def check_equality(ctx: Ctx, root: str) -> None:
             config = EngineConfig.build(
                 path=path, device=dev.type, dtype="float32", block_size=16 if not ctx.dry else 4,
                 num_kv_blocks=256, max_num_batched_tokens=32 if not ctx.dry else 8, max_num_seqs=8,
+                enforce_eager=not graphs,
             )  # fmt: skip
-            config.model.enforce_eager = not graphs  # --enforce-eager
             with kernels_env("triton"):
-                engine = OfflineEngine(config)
+                engine = LLM(config)
                 runner = engine.runner
                 if graphs and ctx.dry:
                     from subway.worker.cuda_graph import DecodeGraphs
@@ -714,31 +714,32 @@ def random_weights(model, path: str) -> None:
 
 
 def drive(engine, deadline: float) -> dict:
-    """OfflineEngine.run's loop (no overlap), timed per step, stopped at `deadline`."""
-    sched, runner = engine.scheduler, engine.runner
+    """The engine's loop (no overlap), each step timed, stopped at `deadline`."""
     stats = {"steps": 0, "out_tokens": 0, "finished": 0, "decode": [], "timed_out": False}
-    t0 = time.perf_counter()
-    while True:
-        plan = sched.schedule()
-        if plan is None and not sched.has_pending_deltas:
-            if sched.has_work:
-                raise RuntimeError("the scheduler has work but planned nothing")
-            break
-        deltas = sched.pop_pending_deltas()
-        if plan is not None:
-            ts = time.perf_counter()
-            out = runner.execute(plan)
-            dt = time.perf_counter() - ts
-            stats["steps"] += 1
-            if all(s.num_tokens == 1 for s in plan.seqs):
-                stats["decode"].append((len(plan.seqs), dt))
-            deltas += sched.process_result(engine._result(plan, out), out.tokens)
+    runner = engine.runner
+    execute = runner.execute
+
+    def timed(plan):  # noqa: ANN001, ANN202
+        ts = time.perf_counter()
+        out = execute(plan)
+        stats["steps"] += 1
+        if all(s.num_tokens == 1 for s in plan.seqs):
+            stats["decode"].append((len(plan.seqs), time.perf_counter() - ts))
+        return out
+
+    def on_deltas(deltas) -> None:  # noqa: ANN001
         for d in deltas:
             stats["out_tokens"] += len(d.token_ids)
             stats["finished"] += d.finish_reason is not None
-        if time.perf_counter() > deadline:
-            stats["timed_out"] = True
-            break
+
+    runner.execute = timed
+    engine.core.depth = 1
+    t0 = time.perf_counter()
+    try:
+        done = engine.core.run(on_deltas, stop=lambda: time.perf_counter() > deadline)
+    finally:
+        runner.execute = execute
+    stats["timed_out"] = not done
     stats["elapsed"] = time.perf_counter() - t0
     return stats
 
@@ -747,7 +748,7 @@ def check_throughput(ctx: Ctx, root: str) -> None:
     import subway.worker.runner as runner_mod
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
-    from subway.tools.offline import OfflineEngine
+    from subway.llm import LLM
     from subway.worker.kv_cache import block_bytes
 
     dev, rep = ctx.device, ctx.report
@@ -787,12 +788,11 @@ def check_throughput(ctx: Ctx, root: str) -> None:
                 max_model_len=2048, max_num_seqs=256 if not ctx.dry else 4,
                 max_num_batched_tokens=2048 if not ctx.dry else 16,
                 gpu_memory_utilization=0.85, enable_prefix_caching=False,
-                kv_cache_memory=64 << 20,
+                kv_cache_memory=64 << 20, enforce_eager=eager,
             )  # fmt: skip
-            config.model.enforce_eager = eager
             with kernels_env(kernels):
                 t0 = time.perf_counter()
-                engine = OfflineEngine(config)
+                engine = LLM(config)
                 runner = engine.runner
                 if ctx.dry and not eager:
                     from subway.worker.cuda_graph import DecodeGraphs

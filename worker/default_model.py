@@ -64,7 +64,7 @@ def convert_gguf(gguf_dir: str, gguf_file: str, out_dir: str, quiet: bool = Fals
     for attr in ("quantization_config",):
         if hasattr(config, attr):
             delattr(config, attr)
-    config.model.dtype = "float32"
+    config.dtype = "float32"
     config.architectures = [type(model).__name__]  # GGUF configs lack it; other tools need it
     config.save_pretrained(tmp)
     generation = getattr(model, "generation_config", None)

@@ -154,18 +154,8 @@ def _result(
 ) -> StepResult:
     """The StepResult of a plan; ids in the shared buffer when they fit their slot, else inline."""
     n = len(out.tokens)
-    if sampled is not None and n <= max_num_seqs:
-        offset = (step % SAMPLED_SLOTS) * max_num_seqs
-        sampled.write(offset, out.tokens)
-        ref = TokenRef(offset=offset, length=n)
-    else:
-        ref = TokenRef(ids=out.tokens)
-    return StepResult(
-        step=step,
-        seq_ids=out.seq_ids,
-        tokens=ref,
-        logprobs=out.logprobs,
-        top_ids=out.top_ids,
-        top_logprobs=out.top_logprobs,
-        prompt_logprobs=out.prompt_logprobs,
-    )
+    if sampled is None or n > max_num_seqs:
+        return out.to_result(step)
+    offset = (step % SAMPLED_SLOTS) * max_num_seqs
+    sampled.write(offset, out.tokens)
+    return out.to_result(step, TokenRef(offset=offset, length=n))

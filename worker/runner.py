@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, TokenRef
+from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.worker.cuda_graph import maybe_decode_graphs
@@ -40,6 +40,19 @@ class StepOutput:
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # on first samples, when asked
 
+
+    def to_result(self, step: int, tokens: TokenRef | None = None) -> StepResult:
+        """The StepResult of plan `step`; the sampled ids inline unless `tokens` names
+        where they are (rank 0's shared buffer)."""
+        return StepResult(
+            step=step,
+            seq_ids=self.seq_ids,
+            tokens=tokens if tokens is not None else TokenRef(ids=self.tokens),
+            logprobs=self.logprobs,
+            top_ids=self.top_ids,
+            top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 def resolve_device(name: str, rank: int) -> torch.device:
     if name == "auto":

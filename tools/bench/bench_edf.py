@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import AddRequest, SamplingParams, TokenRef
-from subway.scheduler.fake_worker import NullWorker
+from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.scheduler import Scheduler
+from subway.tools.bench.null_worker import NullWorker
 
 EOS = 0
 
@@ -110,9 +111,10 @@ def simulate(policy: str, jobs: list[Job], args) -> Result:
     )
     sched = Scheduler(config, args.num_blocks, 1 << 20, [EOS], clock=lambda: now)
     worker = NullWorker(token=7)
+    core = EngineCore(sched, worker, depth=1)
     res = Result(policy)
     i = 0
-    while i < len(jobs) or sched.has_work:
+    while True:
         while i < len(jobs) and jobs[i].arrival <= now:
             j = jobs[i]
             i += 1
@@ -122,27 +124,29 @@ def simulate(policy: str, jobs: list[Job], args) -> Result:
                              slo_class=j.slo_class)  # fmt: skip
             sched.add(req, j.prompt)
             res.outcomes[j.rid] = Outcome()
-        plan = sched.schedule()
-        if plan is None:
-            if sched.has_work:
-                raise RuntimeError("the scheduler has work but planned nothing")
-            now = max(now, jobs[i].arrival)  # idle until the next arrival
-            continue
-        tokens = sum(s.num_tokens for s in plan.seqs)
-        now += (args.step_overhead_ms + args.token_ms * tokens) / 1000.0
-        res.steps += 1
-        res.tokens += tokens
-        for d in sched.process_result(*worker.run(plan)) + sched.pop_pending_deltas():
+        # Settles the last plan (it ended at `now`), then makes the next one.
+        for d in core.step():
             o = res.outcomes[d.request_id]
             if d.token_ids and o.first_token is None:
                 o.first_token = now
             o.tokens += len(d.token_ids)
             if d.finish_reason is not None:
                 o.finished = now
+        if worker.queued:
+            tokens = sum(s.num_tokens for s in worker.queued[-1].seqs)
+            now += (args.step_overhead_ms + args.token_ms * tokens) / 1000.0
+            res.steps += 1
+            res.tokens += tokens
+        elif sched.has_work:
+            raise RuntimeError("the scheduler has work but planned nothing")
+        elif i == len(jobs):
+            break
+        else:
+            now = max(now, jobs[i].arrival)  # idle until the next arrival
     res.sim_time = now
     res.preemptions = sched.num_preempted_total
-    q = sched.prefix_queries_total
-    res.prefix_hit_rate = sched.prefix_hits_total / q if q else 0.0
+    q = sched.stats.prefix_queries_total
+    res.prefix_hit_rate = sched.stats.prefix_hits_total / q if q else 0.0
     return res
 
 

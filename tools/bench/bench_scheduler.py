@@ -1,7 +1,8 @@
 """The scheduler's own cost per step, with a worker that answers at once (no torch, no model).
 
-Drives the real `Scheduler` the way the scheduler process does with overlap
-(plan N+1 is built before result N is settled) and times, per step:
+Drives the real `Scheduler` through the `EngineCore` loop with overlap, as the
+scheduler process does (plan N+1 is built before result N is settled), and
+times, per step:
 
 - `schedule`: building the plan;
 - `result`: settling a step result (appending tokens, finishing, deltas);
@@ -42,12 +43,15 @@ from subway.ipc.messages import (
     AddRequest,
     Codec,
     FromWorker,
+    Plan,
     SamplingParams,
+    StepResult,
     TokenRef,
     ToWorker,
 )
-from subway.scheduler.fake_worker import NullWorker
+from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.scheduler import Scheduler
+from subway.tools.bench.null_worker import NullWorker
 
 EOS = 0
 SYSTEM = 64  # tokens of the shared prefix in mixed steps
@@ -86,17 +90,48 @@ def make_scheduler(n: int, budget: int, num_blocks: int, block_size: int, policy
     return Scheduler(config, num_blocks, 1 << 30, [EOS])
 
 
+class CodecWorker(NullWorker):
+    """A NullWorker behind the codecs, as the scheduler process sees its workers: plans
+    encoded, results decoded (`codec` seconds); the worker's own time is kept apart."""
+
+    def __init__(self, clock) -> None:
+        super().__init__(token=7)
+        self.clock = clock
+        self.plan_codec = Codec(ToWorker)
+        self.result_codec = Codec(FromWorker)
+        self.raw: list[bytes] = []
+        self.codec = 0.0
+        self.worker = 0.0
+        self.last_plan: Plan | None = None
+
+    def submit(self, plan: Plan) -> None:
+        pc = self.clock
+        t0 = pc()
+        self.plan_codec.encode(plan)
+        t1 = pc()
+        self.raw.append(self.result_codec.encode(self.run(plan)[0]))
+        self.codec += t1 - t0
+        self.worker += pc() - t1
+        self.last_plan = plan
+
+    def collect(self) -> list[tuple[StepResult, list[int]]]:
+        if not self.raw:
+            return []
+        t0 = self.clock()
+        msg = self.result_codec.decode(self.raw.pop(0))
+        self.codec += self.clock() - t0
+        return [(msg, msg.tokens.ids)]
+
+
 class Driver:
     def __init__(self, sched: Scheduler, seed: int, clock=time.thread_time) -> None:
         self.sched = sched
         self.clock = clock
-        self.worker = NullWorker(token=7)
+        self.worker = CodecWorker(clock)
+        self.core = EngineCore(sched, self.worker, depth=2)
         self.rng = random.Random(seed)
         self.system = [self.rng.randrange(1, 32000) for _ in range(SYSTEM)]
         self.next_id = 0
-        self.pending: list = []  # (result, tokens) of plans in flight, oldest first
-        self.plan_codec = Codec(ToWorker)
-        self.result_codec = Codec(FromWorker)
         self.carry = [0.0, 0.0]  # result and codec time of turns that planned nothing
 
     def add(self, prompt_len: int, max_tokens: int, shared: bool) -> None:
@@ -112,37 +147,32 @@ class Driver:
         req = AddRequest(rid, ref, len(prompt), sp, arrival_time=arrival)
         self.sched.add(req, prompt)
 
-    def step(self, times: dict[str, list[float]] | None) -> object:
-        """One turn of the process loop with overlap: plan, then settle the older result."""
-        sched = self.sched
+    def step(self, times: dict[str, list[float]] | None) -> Plan | None:
+        """One turn of the loop: settle the older result, then plan (in steady state one
+        plan a turn); the turn's plan, if it made one."""
+        w = self.worker
         pc = self.clock
+        w.last_plan = None
+        c0, o0 = w.codec, w.worker
         t0 = pc()
-        plan = sched.schedule()
+        self.core.settle()
         t1 = pc()
-        data = self.plan_codec.encode(plan) if plan is not None else b""
+        c1 = w.codec
+        self.core.plan()
         t2 = pc()
-        if plan is not None:
-            result, tokens = self.worker.run(plan)
-            self.pending.append(self.result_codec.encode(result))
-        t_result = t_codec = 0.0
-        if len(self.pending) >= 2 or (plan is None and self.pending):
-            raw = self.pending.pop(0)
-            t3 = pc()
-            msg = self.result_codec.decode(raw)
-            t4 = pc()
-            sched.process_result(msg, msg.tokens.ids)
-            t5 = pc()
-            t_result, t_codec = t5 - t4, t4 - t3
+        plan = w.last_plan
+        t_result = (t1 - t0) - (c1 - c0)
+        t_schedule = (t2 - t1) - (w.codec - c1) - (w.worker - o0)
+        t_codec = w.codec - c0
         if times is not None:
             if plan is None:  # waiting for a result: its cost goes to the next step
-                self.carry[0] += t_result + t1 - t0
+                self.carry[0] += t_result + t_schedule
                 self.carry[1] += t_codec
             else:
-                times["schedule"].append(t1 - t0)
+                times["schedule"].append(t_schedule)
                 times["result"].append(t_result + self.carry[0])
-                times["codec"].append(t2 - t1 + t_codec + self.carry[1])
+                times["codec"].append(t_codec + self.carry[1])
                 self.carry = [0.0, 0.0]
-        del data
         return plan
 
 
@@ -177,7 +207,7 @@ def bench(n: int, kind: str, steps: int, block_size: int, policy: str, caching: 
             d.step(None)
     times: dict[str, list[float]] = {"schedule": [], "result": [], "codec": []}
     tokens = seqs = prefills = 0
-    q0, h0 = getattr(sched, "prefix_queries_total", 0), getattr(sched, "prefix_hits_total", 0)
+    q0, h0 = sched.stats.prefix_queries_total, sched.stats.prefix_hits_total
     gc.collect()
     for _ in range(steps):
         if kind == "mixed":
@@ -194,8 +224,8 @@ def bench(n: int, kind: str, steps: int, block_size: int, policy: str, caching: 
         a + b + c
         for a, b, c in zip(times["schedule"], times["result"], times["codec"], strict=True)
     ]
-    q = getattr(sched, "prefix_queries_total", 0) - q0  # (absent in older schedulers)
-    h = getattr(sched, "prefix_hits_total", 0) - h0
+    q = sched.stats.prefix_queries_total - q0
+    h = sched.stats.prefix_hits_total - h0
     return Row(n, kind, steps, times["schedule"], times["result"], times["codec"], total,
                tokens / steps, seqs / steps, prefills / steps, h / q if q else 0.0)  # fmt: skip
 

@@ -3,7 +3,7 @@
     python -m subway.tools.bench.profile_run [--dtype bfloat16] [--num-requests 64]
 
 The standard workload (`tools/bench/workload.py`, seed 0, all at once) through the
-real Scheduler and ModelRunner in one process (`tools/offline.py`), no HTTP.
+real Scheduler and ModelRunner in one process (`subway.llm.LLM`), no HTTP.
 Every step's wall time is recorded with its token count. Prints the run's
 output tokens/s, the time in steps that carry prefill chunks, and the pure
 decode steps grouped by how many sequences they decode.
@@ -19,8 +19,8 @@ import torch
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
+from subway.llm import LLM
 from subway.tools.bench import workload
-from subway.tools.offline import OfflineEngine
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=2048,
     )
-    eng = OfflineEngine(cfg)
+    eng = LLM(cfg)
     warm = workload.generate(tok, 1, seed=12345, max_output_tokens=16)[0]
     eng.generate([tok(warm.prompt)["input_ids"]], SamplingParams(max_tokens=4, temperature=0))
 

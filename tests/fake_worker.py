@@ -1,4 +1,4 @@
-"""Torch-free stand-ins for the worker, for the scheduler's tests and benchmarks.
+"""A torch-free stand-in for the worker, for the scheduler's tests: an `Executor` of `EngineCore`.
 
 `FakeWorker` keeps what a real worker keeps (each sequence's tokens, its
 block table, the KV cache) and checks every promise a plan makes. Its "KV" at
@@ -9,14 +9,13 @@ by prefix caching that held the wrong prefix, or was overwritten by another
 sequence, or a sequence writing into a block someone else holds, fails there.
 It "samples" with a function of the sequence's tokens (a hash by default), so
 outputs can be compared with a reference that generates each request alone.
-
-`NullWorker` checks nothing and answers at once: for timing the scheduler.
 """
 
 from __future__ import annotations
 
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Callable
 
 from subway.ipc.messages import Plan, StepResult, TokenRef
@@ -52,6 +51,7 @@ class FakeWorker:
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self._digests: dict[int, list[int]] = {}
         self.plans: list[Plan] = []
+        self.queued: deque[Plan] = deque()
         self.num_steps = 0
         self.num_tokens_computed = 0  # positions written (prefill and decode), all steps
 
@@ -72,6 +72,13 @@ class FakeWorker:
             self.holders[b].remove(sid)
         self.tables[sid] = []
         self.kv[sid] = 0
+
+    def submit(self, plan: Plan) -> None:
+        self.queued.append(plan)
+
+    def collect(self) -> list[tuple[StepResult, list[int]]]:
+        """Runs the oldest submitted plan (as an in-process executor does)."""
+        return [self.run(self.queued.popleft())] if self.queued else []
 
     def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
         if self.keep_plans:
@@ -140,15 +147,3 @@ class FakeWorker:
                 out_tokens.append(t)
         result = StepResult(step=plan.step, seq_ids=out_ids, tokens=TokenRef(ids=out_tokens))
         return result, out_tokens
-
-
-class NullWorker:
-    """Answers every plan at once with a fixed token for each sampling sequence."""
-
-    def __init__(self, token: int = 7) -> None:
-        self.token = token
-
-    def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
-        ids = [s.seq_id for s in plan.seqs if s.sample]
-        tokens = [self.token] * len(ids)
-        return StepResult(step=plan.step, seq_ids=ids, tokens=TokenRef(ids=tokens)), tokens

@@ -1,0 +1,350 @@
+"""Planning one step: decodes first, then prefill chunks and admissions in policy order,
+within the token budget; preemption when KV blocks run out. One `Plan` per call.
+
+A step. Every running request that decodes gets its one token first (while
+the budget lasts; `max_num_seqs` never exceeds the budget, so all do). Then
+the rest of the `max_num_batched_tokens` budget goes, in the policy's order,
+to the next prefill chunks of running requests and to admissions from the
+waiting queue: each request gets at most one chunk per step, the last one
+may be partial. Admission stops at the first waiting request that does not
+fit (no overtaking), unless the policy lets it preempt running work.
+
+Overlap: `schedule()` may run again before the result of the previous plan
+arrives. A request whose sampled token is still in flight is assumed to
+continue, so its next decode starts one position further; results then come
+in plan order and settle what really happened (`settle.py`). A request found
+finished at result N was also planned in N+1 (already sent): that token is
+discarded, and its blocks, freed at once, go to plan N+2 at the earliest. That
+is safe because workers run plans in order. Blocks of a request preempted while
+plan N+1 is built may even go to N+1 itself: plan N, which still writes to them,
+runs first.
+
+Preemption is by recompute. The policy picks the victim among the running
+requests not admitted in this step; one already placed in this plan is taken
+out of it again. A preempted request keeps any token already in flight: it
+was computed with intact KV, and the workers append every token they sample
+to their copy of the sequence, so both sides stay in agreement. It is
+admitted again only when nothing of it is in flight, re-prefilled over
+prompt + output (from its cached prefix, if the prefix cache still has it).
+
+Prefix caching (`enable_prefix_caching`). A full block is keyed in the cache
+(see `block_manager.py`) only once a sent plan has computed all of it, never
+in the plan that computes it, so a hit always reads KV that an earlier plan
+wrote: the blocks a prefill fills are keyed when the request is next
+scheduled (its next chunk or its first decode), so that requests arriving
+meanwhile share them; the blocks it fills while decoding are keyed when it
+finishes or is preempted (for the next turn of a chat, or its own return),
+which costs nothing per decode step. An admission looks up the longest cached
+prefix of its tokens, at most `(length - 1) // block_size` blocks so that
+the last token is computed, and its first `SeqStep` starts there: `start_pos`
+= cached tokens, `new_blocks` = its whole table, cached blocks first. Shared
+blocks are full and never written again, so there is no copy-on-write.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from subway.ipc.config import SchedulerConfig
+from subway.ipc.messages import NewSeq, Plan, SeqStep
+from subway.scheduler.request import NEVER, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from subway.scheduler.scheduler import Scheduler
+
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+
+# _admit outcomes
+_ADMITTED, _SKIPPED, _BLOCKED = 1, 0, -1
+
+
+class Planner:
+    """Makes the plans of one `Scheduler`, whose queues and block manager it changes."""
+
+    def __init__(self, sched: Scheduler, config: SchedulerConfig) -> None:
+        self.sched = sched
+        self.max_num_batched_tokens = max(1, config.max_num_batched_tokens)
+        # Every running request gets its decode each step: no more running than the budget.
+        self.max_num_seqs = max(1, min(config.max_num_seqs, self.max_num_batched_tokens))
+        # Keep a few blocks for running requests to grow into when admitting more.
+        self.watermark_blocks = sched.block_manager.num_blocks // 100
+        # While a plan is built: its steps, requests preempted in it (queued at the end),
+        # and budget given back by requests taken out of it.
+        self._steps: list[SeqStep] = []
+        self._requeue: list[Request] = []
+        self._released = 0
+
+    def schedule(self) -> Plan | None:
+        """The next step's plan, or None if nothing can be scheduled now."""
+        t0 = time.perf_counter()
+        sched = self.sched
+        stats = sched.stats
+        step = stats.num_steps_planned
+        running = sched.compact_running()
+        policy = sched.policy
+        waiting = sched.waiting
+        if waiting:
+            if policy.dynamic and len(waiting) > 1:
+                policy.refresh(sched.clock())
+                waiting.sort(key=policy.key)
+            policy.begin_step(waiting, sched.num_running, self.max_num_seqs)
+        bm = sched.block_manager
+        claimed = bm.claimed
+        bs = bm.block_size
+        budget = self.max_num_batched_tokens
+        steps: list[SeqStep] = []
+        self._steps = steps
+        new_seqs: list[NewSeq] = []
+        num_preempted_before = len(sched.preempted_ids)
+        prefills: list[Request] = []
+
+        # 1. Decodes: one token each, from the token sampled last step (maybe still in flight).
+        for req in running:
+            if req.status is not _RUNNING:
+                continue
+            inflight = req.num_inflight
+            total = req.length + inflight
+            pos = req.num_computed_tokens
+            if total - pos != 1:
+                if total - pos > 1:
+                    prefills.append(req)
+                continue  # or its last token is already in flight
+            if total >= req.token_limit:
+                continue  # its last token is already in flight
+            sid = req.seq_id
+            if pos < req.num_slots:  # its last block has room: no allocation
+                claimed[sid] = pos + 1
+                new_blocks = []
+            else:
+                try:
+                    new_blocks = bm.allocate(sid, 1)
+                except MemoryError:
+                    if not self._make_room(req, 1, step):
+                        continue
+                    budget += self._take_released()
+                    new_blocks = bm.allocate(sid, 1)
+                req.num_slots += bs * len(new_blocks)
+            if pos >= req.cache_upto:  # its first decode: key what its prefill computed
+                bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos)  # (tokens < pos known)
+                req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
+            steps.append(SeqStep(sid, pos, 1, new_blocks, True))
+            req.num_computed_tokens = pos + 1
+            req.num_inflight = inflight + 1
+            req.scheduled_step = step
+            budget -= 1
+            if budget == 0:
+                break
+
+        # 2. Prefill chunks of running requests and admissions, in policy order.
+        if budget > 0 and (prefills or waiting):
+            budget = self._prefill_and_admit(
+                step, budget, prefills, new_seqs, len(sched.preempted_ids) == num_preempted_before
+            )
+
+        if self._requeue:
+            for req in self._requeue:
+                sched.enqueue(req)
+            self._requeue = []
+        self._steps = []
+        if not steps:
+            return None
+        plan = Plan(step, steps, new_seqs, sched.finished_ids, sched.preempted_ids)
+        sched.finished_ids = []
+        sched.preempted_ids = []
+        sched.inflight_steps.append(step)
+        stats.num_steps_planned = step + 1
+        stats.last_batch_size = len(steps)
+        stats.last_num_batched_tokens = self.max_num_batched_tokens - budget
+        stats.last_schedule_time = time.perf_counter() - t0
+        stats.schedule_time_total += stats.last_schedule_time
+        return plan
+
+    def _prefill_and_admit(
+        self,
+        step: int,
+        budget: int,
+        prefills: list[Request],
+        new_seqs: list[NewSeq],
+        admitting: bool,
+    ) -> int:
+        """Give the budget to running prefills and waiting requests, merged in policy order;
+        returns the budget left. Admission stops at the first waiting request that cannot
+        be admitted, and is off for the step once it had to preempt for blocks."""
+        sched = self.sched
+        key = sched.policy.key
+        bm = sched.block_manager
+        steps = self._steps
+        waiting = sched.waiting
+        if len(prefills) > 1:
+            prefills.sort(key=key)
+        nw, npf = len(waiting), len(prefills)
+        wi = pi = 0
+        admitted = 0
+        passed = False  # a waiting request was passed over (it stays)
+        scattered = False  # and one after it was admitted: the admitted are not a prefix
+        admitting = admitting and nw > 0
+        while budget > 0:
+            if admitting and wi < nw and (pi == npf or key(waiting[wi]) < key(prefills[pi])):
+                req = waiting[wi]
+                wi += 1
+                outcome, budget = self._admit(req, step, budget, new_seqs)
+                if outcome == _ADMITTED:
+                    admitted += 1
+                    scattered = passed
+                elif outcome == _SKIPPED:
+                    passed = True
+                else:
+                    admitting = False
+                continue
+            if pi == npf:
+                break
+            req = prefills[pi]
+            pi += 1
+            if req.status is not _RUNNING:
+                continue  # preempted in this step
+            pos = req.num_computed_tokens
+            remaining = req.length + req.num_inflight - pos
+            sid = req.seq_id
+            n = remaining if remaining < budget else budget
+            fit = bm.max_new_tokens(sid)
+            if fit < n:
+                if fit <= 0:  # preempt for one block at least, then take what fits
+                    admitting = False
+                    if not self._make_room(req, 1, step):
+                        continue
+                    budget += self._take_released()
+                    n = remaining if remaining < budget else budget
+                    fit = bm.max_new_tokens(sid)
+                n = fit if fit < n else n  # a smaller chunk rather than more preemption
+            if pos >= req.cache_upto:
+                sched.cache_blocks(req, pos)
+            sample = n == remaining
+            new_blocks = bm.allocate(sid, n)
+            req.num_slots += bm.block_size * len(new_blocks)
+            steps.append(SeqStep(sid, pos, n, new_blocks, sample))
+            req.num_computed_tokens = pos + n
+            if sample:
+                req.num_inflight += 1
+            req.scheduled_step = step
+            budget -= n
+        if admitted:
+            if scattered:
+                sched.waiting = [r for r in waiting if r.status is _WAITING]
+            else:
+                del waiting[:admitted]
+        return budget
+
+    def _admit(
+        self, req: Request, step: int, budget: int, new_seqs: list[NewSeq]
+    ) -> tuple[int, int]:
+        """Admit one waiting request with its first chunk: (_ADMITTED, budget left), or
+        _SKIPPED (not now, try the next one) or _BLOCKED (stop admitting)."""
+        sched = self.sched
+        if req.num_inflight:  # preempted with a token in flight: wait for it
+            return _SKIPPED, budget
+        if not sched.policy.can_admit(req):
+            return _SKIPPED, budget
+        while sched.num_running >= self.max_num_seqs:
+            if not self._displace(req, step):
+                return _BLOCKED, budget
+            budget += self._take_released()
+        bm = sched.block_manager
+        bs = bm.block_size
+        total = req.length
+        # A request that wants its prompt's logprobs computes the whole prompt.
+        if sched.caching and req.sampling.prompt_logprobs is None:
+            hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs)
+        else:
+            hits = []
+        cached = len(hits) * bs
+        remaining = total - cached
+        while True:
+            n = remaining if remaining < budget else budget
+            watermark = self.watermark_blocks if sched.num_running else 0
+            if bm.admission_cost(hits, n) + watermark <= bm.num_free_blocks:
+                break
+            if not self._displace(req, step):  # no overtaking: the head waits for blocks
+                return _BLOCKED, budget
+            budget += self._take_released()
+        sid = req.seq_id
+        table = bm.allocate_with_prefix(sid, hits, n)
+        req.num_slots = bs * len(table)
+        sched.mark_running(req)
+        if not req.sent:
+            new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling))
+            req.sent = True
+        sample = n == remaining
+        self._steps.append(SeqStep(sid, cached, n, table, sample))
+        req.num_computed_tokens = cached + n
+        if sample:
+            req.num_inflight = 1
+        req.scheduled_step = step
+        req.admitted_step = step
+        stats = sched.stats
+        if sched.caching:
+            req.cache_upto = (len(hits) + 1) * bs
+            stats.prefix_queries_total += total
+            stats.prefix_hits_total += cached
+        if not req.reported:
+            req.num_cached_tokens = cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = sched.clock()
+        return _ADMITTED, budget - n
+
+    def _take_released(self) -> int:
+        n, self._released = self._released, 0
+        return n
+
+    def _make_room(self, req: Request, n: int, step: int) -> bool:
+        """Preempt until `req` can claim `n` more tokens; False if `req` itself was preempted.
+
+        Victims are running requests not admitted in this step (`req`
+        included), chosen by the policy; budget they give back is in `_released`.
+        """
+        sched = self.sched
+        bm = sched.block_manager
+        while not bm.can_allocate(req.seq_id, n):
+            candidates = [
+                r for r in sched.running if r.status is _RUNNING and r.admitted_step != step
+            ]
+            victim = sched.policy.pick_victim(candidates)
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def _displace(self, req: Request, step: int) -> bool:
+        """Preempt one running request that the policy lets waiting `req` displace; False if
+        there is none."""
+        policy = self.sched.policy
+        if not policy.preemptive:
+            return False
+        may = policy.may_preempt
+        candidates = [
+            r
+            for r in self.sched.running
+            if r.status is _RUNNING and r.admitted_step != step and may(req, r)
+        ]
+        if not candidates:
+            return False
+        self._preempt(policy.pick_victim(candidates), step)
+        return True
+
+    def _preempt(self, req: Request, step: int) -> None:
+        if req.scheduled_step == step:  # take it out of the plan being built
+            steps = self._steps
+            sid = req.seq_id
+            for i in range(len(steps) - 1, -1, -1):
+                st = steps[i]
+                if st.seq_id == sid:
+                    del steps[i]
+                    self._released += st.num_tokens
+                    req.num_computed_tokens = st.start_pos
+                    if st.sample:
+                        req.num_inflight -= 1
+                    break
+            req.scheduled_step = -1
+        self.sched.preempt(req)
+        self._requeue.append(req)  # queued once the plan is built: not re-admitted in it

@@ -1,0 +1,120 @@
+"""Offline inference in one process: `LLM(config).generate(prompts, sampling)`.
+
+The same `Scheduler` and `ModelRunner` that `subway serve` runs in separate
+processes, driven by the same `EngineCore` loop through an in-process executor,
+without sockets. `config.scheduler.overlap` picks the depth (plan N+1 before
+result N is settled, as the scheduler process does); `run` and `generate` may
+override it per call.
+
+    from subway.ipc.config import EngineConfig
+    from subway.ipc.messages import SamplingParams
+    from subway.llm import LLM
+
+    llm = LLM(EngineConfig.build(path="/path/to/hf-folder"))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))[0]
+    print(out.token_ids, out.finish_reason)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import AddRequest, Plan, RequestDelta, SamplingParams, StepResult, TokenRef
+from subway.scheduler.engine_core import EngineCore
+from subway.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class Output:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+
+    def add(self, d: RequestDelta) -> None:
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.top_ids += d.top_ids or []
+        if d.finish_reason:
+            self.finish_reason = d.finish_reason
+
+
+class InProcessExecutor:
+    """Runs plans on a `ModelRunner` in this process, one per `collect` (see `EngineCore`)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.queued: deque[Plan] = deque()
+
+    def submit(self, plan: Plan) -> None:
+        self.queued.append(plan)
+
+    def collect(self) -> list[tuple[StepResult, list[int]]]:
+        if not self.queued:
+            return []
+        plan = self.queued.popleft()
+        out = self.runner.execute(plan)
+        return [(out.to_result(plan.step), out.tokens)]
+
+
+class LLM:
+    def __init__(self, config: EngineConfig) -> None:
+        from subway.worker.runner import ModelRunner  # torch: only when a model runs here
+
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(
+            config, self.runner.num_blocks, self.runner.max_model_len, self.runner.eos_token_ids
+        )
+        self.core = EngineCore(
+            self.scheduler, InProcessExecutor(self.runner), 2 if config.scheduler.overlap else 1
+        )
+        self._next_id = 0
+
+    def add(self, prompt: list[int], sampling: SamplingParams, **extra: Any) -> str:
+        """Queue one prompt (token ids); `extra` are AddRequest fields (priority, ...)."""
+        rid = f"r{self._next_id}"
+        self._next_id += 1
+        msg = AddRequest(
+            request_id=rid,
+            prompt=TokenRef(ids=list(prompt)),
+            prompt_len=len(prompt),
+            sampling=sampling,
+            arrival_time=time.time(),
+            **extra,
+        )
+        self.scheduler.add(msg, list(prompt))
+        return rid
+
+    def run(
+        self,
+        outputs: dict[str, Output],
+        overlap: bool | None = None,
+        abort_after: dict[str, int] | None = None,
+    ) -> None:
+        """Step until no work is left, collecting deltas into `outputs` (request id ->
+        Output); `abort_after` aborts a request once it has that many tokens."""
+        if overlap is not None:
+            self.core.depth = 2 if overlap else 1
+
+        def on_deltas(deltas: list[RequestDelta]) -> None:
+            for d in deltas:
+                outputs.setdefault(d.request_id, Output()).add(d)
+            for rid, n in list((abort_after or {}).items()):
+                if len(outputs.get(rid, Output()).token_ids) >= n:
+                    self.scheduler.abort(rid)
+                    del abort_after[rid]  # type: ignore[union-attr]
+
+        self.core.run(on_deltas)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, overlap: bool | None = None
+    ) -> list[Output]:
+        ids = [self.add(p, sampling) for p in prompts]
+        outputs: dict[str, Output] = {}
+        self.run(outputs, overlap=overlap)
+        return [outputs.get(i, Output()) for i in ids]
