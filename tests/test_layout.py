@@ -1,0 +1,69 @@
+"""The layout's rules, read from the source: who may import what, and how long a module grows."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Folder -> the packages its modules may not import (at the top or inside a function).
+FORBIDDEN = {
+    "scheduler": ("torch", "subway.worker", "subway.kernels", "subway.frontend", "subway.tools"),
+    "ipc": ("subway.scheduler", "subway.worker", "subway.kernels", "subway.frontend",
+            "subway.tools", "subway.client"),
+    "frontend": ("torch", "subway.scheduler", "subway.worker", "subway.kernels", "subway.tools"),
+    "client": ("torch", "subway.frontend", "subway.scheduler", "subway.worker",
+               "subway.kernels", "subway.tools", "subway.ipc"),
+}  # fmt: skip
+MAX_LINES = 450
+# Benchmarks and device checks are not product modules.
+NOT_PRODUCT = ("tools/bench/", "tools/gpu_check.py")
+
+
+def _modules(folder: str) -> list[pathlib.Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_imports_respect_the_process_boundaries(folder):
+    assert _modules(folder), folder
+    bad = []
+    for path in _modules(folder):
+        for name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[folder]):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+def test_product_modules_stay_short():
+    long = []
+    for folder in ("scheduler", "ipc", "frontend", "client", "worker", "kernels", "tools",
+                   "subway_pkg"):  # fmt: skip
+        for path in _modules(folder):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(NOT_PRODUCT):
+                continue
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES:
+                long.append(f"{rel}: {n} lines")
+    assert not long, long
+
+
+def test_a_forbidden_import_is_seen(tmp_path):
+    """The scan finds an import hidden inside a function (so the rules above can fail)."""
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    import torch.nn\n    from subway.worker import runner\n")
+    assert {"torch.nn", "subway.worker", "subway.worker.runner"} <= _imports(p)
