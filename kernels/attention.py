@@ -21,8 +21,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from subway.kernels import cpu_ext
-
 
 @dataclass
 class AttentionMetadata:
@@ -40,10 +38,6 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, int]]  # (seq index, query start, query len, context len)
     prefill_masks: list[torch.Tensor | None]  # per prefill: [qlen, ctx] bool, None when no prefix
     all_decode: bool  # every sequence is a decode and tokens are in sequence order
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
 
 
 def build_metadata(
@@ -136,13 +130,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    ext=None,
 ) -> torch.Tensor:
-    """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out."""
+    """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out.
+
+    `ext`: the compiled CPU ops (`cpu_ext.load()`), which then serve the decodes.
+    """
     if md.all_decode:
-        return _decode_attention(q, k_cache, v_cache, md, scale)
+        return _decode_attention(q, k_cache, v_cache, md, scale, ext)
     out = torch.empty_like(q)
     if md.decode_seqs.numel():
-        dec = _decode_attention(q.index_select(0, md.decode_tokens), k_cache, v_cache, md, scale)
+        dec = q.index_select(0, md.decode_tokens)
+        dec = _decode_attention(dec, k_cache, v_cache, md, scale, ext)
         out.index_copy_(0, md.decode_tokens, dec)
     bs = k_cache.shape[1]
     for (seq, start, qlen, ctx), mask in zip(md.prefills, md.prefill_masks, strict=True):
@@ -159,9 +158,9 @@ def _decode_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    ext,
 ) -> torch.Tensor:
-    """One query token per sequence. On the CPU the compiled kernel reads the blocks in place."""
-    ext = cpu_ext.load() if q.device.type == "cpu" else None
+    """One query token per sequence. The compiled CPU kernel reads the blocks in place."""
     if ext is None:
         return decode_attention_torch(q, k_cache, v_cache, md, scale)
     tables, lens = md.block_tables, md.context_lens

@@ -1,8 +1,9 @@
 """The CPU kernels in `kernels/csrc/`, compiled on first use with torch's C++ extension builder.
 
 The build is cached (under ~/.cache/subway/ext, or $SUBWAY_CACHE/ext) and compiled
-for the machine it runs on. Where there is no compiler, or SUBWAY_CPU_EXT=0, `load()`
-returns None and callers keep the plain PyTorch reference.
+for the machine it runs on. Where there is no compiler `load()` returns None and
+callers keep the plain PyTorch reference. Whether a model uses them at all is
+`ModelConfig.cpu_ext` (`--no-cpu-ext`), read once by `dispatch.choose_kernels`.
 """
 
 from __future__ import annotations
@@ -34,20 +35,19 @@ def load():
         if "module" in _state:
             return _state["module"]
         module = None
-        if os.environ.get("SUBWAY_CPU_EXT", "1") != "0":
-            try:
-                from torch.utils import cpp_extension
+        try:
+            from torch.utils import cpp_extension
 
-                csrc = os.path.join(os.path.dirname(__file__), "csrc")
-                module = cpp_extension.load(
-                    name="subway_cpu_kernels",
-                    sources=[os.path.join(csrc, f) for f in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=_build_dir(),
-                    verbose=False,
-                )
-            except Exception as e:  # no compiler, no headers: the reference still works
-                log.warning("CPU kernels unavailable, using the PyTorch reference: %s", e)
+            csrc = os.path.join(os.path.dirname(__file__), "csrc")
+            module = cpp_extension.load(
+                name="subway_cpu_kernels",
+                sources=[os.path.join(csrc, f) for f in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=_build_dir(),
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no headers: the reference still works
+            log.warning("CPU kernels unavailable, using the PyTorch reference: %s", e)
         _state["module"] = module
         return module

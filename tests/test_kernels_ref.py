@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from subway.kernels.attention import (
-    build_metadata,
-    paged_attention,
-    positions_and_slots,
-    write_kv,
-)
+from subway.kernels.attention import build_metadata, positions_and_slots, write_kv
+from subway.kernels.dispatch import choose_kernels
 from subway.kernels.ops import apply_rope, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
 
 
@@ -33,6 +29,7 @@ def _naive_attention(q, k, v, first_pos, scale):
 MIXED = [(1, 7), (5, 5), (3, 10), (1, 1), (1, 13), (6, 14), (1, 4), (9, 9), (2, 3)]
 
 
+@pytest.mark.parametrize("cpu_ext", [False, True])  # the decodes in PyTorch, or compiled
 @pytest.mark.parametrize(
     "seqs,num_heads,num_kv_heads",
     [
@@ -42,7 +39,7 @@ MIXED = [(1, 7), (5, 5), (3, 10), (1, 1), (1, 13), (6, 14), (1, 4), (9, 9), (2, 
         ([(7, 7), (4, 20)], 4, 1),  # all prefills
     ],
 )
-def test_paged_attention_matches_dense(seqs, num_heads, num_kv_heads):
+def test_paged_attention_matches_dense(seqs, num_heads, num_kv_heads, cpu_ext):
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     head_dim, block_size, num_blocks = 16, 4, 64
@@ -84,7 +81,7 @@ def test_paged_attention_matches_dense(seqs, num_heads, num_kv_heads):
     )
     q = torch.randn(int(qlens.sum()), num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    out = paged_attention(q, k_cache, v_cache, md, scale)
+    out = choose_kernels("torch", cpu_ext, "cpu").paged_attention(q, k_cache, v_cache, md, scale)
     start = 0
     for i, (ql, ctx) in enumerate(seqs):
         ref = _naive_attention(q[start : start + ql], keys[i], values[i], ctx - ql, scale)

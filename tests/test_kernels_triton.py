@@ -328,44 +328,47 @@ def test_silu_and_mul(kt, dtype, shape):
 # ------------------------------------------------------------------ dispatch
 
 
-def test_dispatch_picks_by_device(monkeypatch):
+def test_dispatch_picks_by_device():
     from subway.kernels import dispatch
 
-    monkeypatch.delenv(dispatch.ENV, raising=False)
-    assert dispatch.backend("cpu") == "torch"
-    assert dispatch.backend("cuda") == ("triton" if dispatch.triton_available() else "torch")
-    monkeypatch.setenv(dispatch.ENV, "triton")
-    assert dispatch.backend("cpu") == "triton"
-    monkeypatch.setenv(dispatch.ENV, "torch")
-    assert dispatch.backend("cuda") == "torch"
-    monkeypatch.setenv(dispatch.ENV, "bogus")
-    with pytest.raises(ValueError, match="SUBWAY_KERNELS"):
-        dispatch.backend("cpu")
+    assert dispatch.backend("auto", "cpu") == "torch"
+    assert dispatch.backend("auto", "cuda") == (
+        "triton" if dispatch.triton_available() else "torch"
+    )
+    assert dispatch.backend("triton", "cpu") == "triton"
+    assert dispatch.backend("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match="kernels='bogus'"):
+        dispatch.backend("bogus", "cpu")
+    with pytest.raises(ValueError, match="kernels='bogus'"):
+        dispatch.choose_kernels("bogus", True, "cpu")
 
 
-def test_dispatch_cpu_default_is_the_reference(monkeypatch):
-    """Without the override, CPU tensors never reach Triton (nor import it)."""
+def test_dispatch_cpu_default_is_the_reference():
+    """By default, a CPU model never reaches Triton (nor imports it)."""
     from subway.kernels import dispatch
 
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+    k = dispatch.choose_kernels("auto", True, "cpu")
+    assert k.name == "torch"
     x = torch.randn(3, 8)
     w = torch.randn(4)
-    assert torch.equal(dispatch.silu_and_mul(x), ref_ops.silu_and_mul(x))
-    assert torch.equal(dispatch.rms_norm(x[:, :4], w, 1e-6), ref_ops.rms_norm(x[:, :4], w, 1e-6))
+    assert torch.equal(k.silu_and_mul(x), ref_ops.silu_and_mul(x))
+    assert torch.equal(k.rms_norm(x[:, :4], w, 1e-6), ref_ops.rms_norm(x[:, :4], w, 1e-6))
 
 
-def test_dispatch_forced_triton(kt, monkeypatch):
+def test_dispatch_forced_triton(kt):
     from subway.kernels import dispatch
 
-    monkeypatch.setenv(dispatch.ENV, "triton")
+    k = dispatch.choose_kernels("triton", True, "cpu")
+    assert k.name == "triton"
     x = torch.randn(3, 32)
-    out = dispatch.silu_and_mul(x)
+    out = k.silu_and_mul(x)
     _assert_close(out, ref_ops.silu_and_mul(x), torch.float32)
 
 
 def test_capture_sizes_and_when_graphs_apply():
     from types import SimpleNamespace
 
+    from subway.ipc.config import EngineConfig
     from subway.worker.cuda_graph import capture_sizes, maybe_decode_graphs
 
     assert capture_sizes(1) == [1]
@@ -373,7 +376,7 @@ def test_capture_sizes_and_when_graphs_apply():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     cpu = SimpleNamespace(
-        config=SimpleNamespace(enforce_eager=False, max_num_seqs=8),
+        config=EngineConfig.build(enforce_eager=False, max_num_seqs=8),
         device=torch.device("cpu"),
         tp=SimpleNamespace(world_size=1),
     )
@@ -383,7 +386,7 @@ def test_capture_sizes_and_when_graphs_apply():
 # ------------------------------------------------------------------ the engine, forced Triton
 
 
-def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool):
+def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool, kernels: str):
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
     from subway.llm import LLM
@@ -396,6 +399,7 @@ def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool):
         num_kv_blocks=64,
         max_num_batched_tokens=8,  # chunked prefill beside decodes
         max_num_seqs=4,
+        kernels=kernels,
     )
     engine = LLM(config)
     if emulate_graphs:
@@ -427,8 +431,6 @@ def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_g
     prefills beside decodes, then decode batches of 1 to 4 (padded to 4 with
     the graph path).
     """
-    from subway.kernels import dispatch
-
     from reference import compare, hf_greedy
 
     attn, ops = kt
@@ -443,12 +445,11 @@ def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_g
 
     monkeypatch.setattr(attn, "paged_attention", counted(attn.paged_attention, "attention"))
     monkeypatch.setattr(ops, "apply_rope", counted(ops.apply_rope, "rope"))
-    monkeypatch.setenv(dispatch.ENV, "triton")
     torch.set_num_threads(1)
     path = tiny_models[arch]
     max_new = 10
     t0 = time.perf_counter()
-    outs, engine = _engine_greedy(path, PROMPTS, max_new, emulate_graphs)
+    outs, engine = _engine_greedy(path, PROMPTS, max_new, emulate_graphs, kernels="triton")
     elapsed = time.perf_counter() - t0
     assert calls["attention"] > 0 and calls["rope"] == calls["attention"]
     if emulate_graphs:

@@ -632,18 +632,18 @@ def check_equality(ctx: Ctx, root: str) -> None:
             config = EngineConfig.build(
                 path=path, device=dev.type, dtype="float32", block_size=16 if not ctx.dry else 4,
                 num_kv_blocks=256, max_num_batched_tokens=32 if not ctx.dry else 8, max_num_seqs=8,
+                kernels="triton",
                 enforce_eager=not graphs,
             )  # fmt: skip
-            with kernels_env("triton"):
-                engine = LLM(config)
-                runner = engine.runner
-                if graphs and ctx.dry:
-                    from subway.worker.cuda_graph import DecodeGraphs
+            engine = LLM(config)
+            runner = engine.runner
+            if graphs and ctx.dry:
+                from subway.worker.cuda_graph import DecodeGraphs
 
-                    runner.graphs = DecodeGraphs(runner, [1, 2, 4, 8], capture=False)
-                t0 = time.perf_counter()
-                outs = engine.generate(prompts, params)
-                elapsed = time.perf_counter() - t0
+                runner.graphs = DecodeGraphs(runner, [1, 2, 4, 8], capture=False)
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
             verdicts = [
                 compare(o.token_ids, o.top_ids, e) for o, e in zip(outs, expected, strict=True)
             ]
@@ -663,23 +663,6 @@ def check_equality(ctx: Ctx, root: str) -> None:
             )
             del engine, runner
             free(dev)
-
-
-class kernels_env:
-    """`SUBWAY_KERNELS` set for a block (the dispatch reads it at every call)."""
-
-    def __init__(self, value: str) -> None:
-        self.value = value
-
-    def __enter__(self) -> None:
-        self.saved = os.environ.get("SUBWAY_KERNELS")
-        os.environ["SUBWAY_KERNELS"] = self.value
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is None:
-            os.environ.pop("SUBWAY_KERNELS", None)
-        else:
-            os.environ["SUBWAY_KERNELS"] = self.saved
 
 
 def free(device: torch.device) -> None:
@@ -788,33 +771,33 @@ def check_throughput(ctx: Ctx, root: str) -> None:
                 max_model_len=2048, max_num_seqs=256 if not ctx.dry else 4,
                 max_num_batched_tokens=2048 if not ctx.dry else 16,
                 gpu_memory_utilization=0.85, enable_prefix_caching=False,
+                kernels=kernels,
                 kv_cache_memory=64 << 20, enforce_eager=eager,
             )  # fmt: skip
-            with kernels_env(kernels):
-                t0 = time.perf_counter()
-                engine = LLM(config)
-                runner = engine.runner
-                if ctx.dry and not eager:
-                    from subway.worker.cuda_graph import DecodeGraphs
+            t0 = time.perf_counter()
+            engine = LLM(config)
+            runner = engine.runner
+            if ctx.dry and not eager:
+                from subway.worker.cuda_graph import DecodeGraphs
 
-                    runner.graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
-                init_s = time.perf_counter() - t0
-                layers, kv_heads, head_dim = runner._kv_shape
-                per_block = block_bytes(layers, runner.block_size, kv_heads, head_dim, runner.dtype)
-                kv_bytes = runner.num_blocks * per_block
-                rep.log(
-                    f"  {name}: init {init_s:.1f}s, KV cache {kv_bytes / 2**30:.2f} GiB "
-                    f"({runner.num_blocks} blocks), graphs "
-                    f"{sorted(runner.graphs.sizes) if runner.graphs is not None else None}"
-                )
-                if name.startswith("triton + CUDA graphs"):
-                    memory_row(ctx, runner, kv_bytes)
-                engine.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0.0,
-                                max_tokens=4, ignore_eos=True))  # fmt: skip
-                for p in prompts:
-                    engine.add(p, params)
-                limit = min(ctx.left() - 30, 30 if ctx.dry else 100)
-                stats = drive(engine, time.perf_counter() + limit)
+                runner.graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
+            init_s = time.perf_counter() - t0
+            layers, kv_heads, head_dim = runner._kv_shape
+            per_block = block_bytes(layers, runner.block_size, kv_heads, head_dim, runner.dtype)
+            kv_bytes = runner.num_blocks * per_block
+            rep.log(
+                f"  {name}: init {init_s:.1f}s, KV cache {kv_bytes / 2**30:.2f} GiB "
+                f"({runner.num_blocks} blocks), graphs "
+                f"{sorted(runner.graphs.sizes) if runner.graphs is not None else None}"
+            )
+            if name.startswith("triton + CUDA graphs"):
+                memory_row(ctx, runner, kv_bytes)
+            engine.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0.0,
+                            max_tokens=4, ignore_eos=True))  # fmt: skip
+            for p in prompts:
+                engine.add(p, params)
+            limit = min(ctx.left() - 30, 30 if ctx.dry else 100)
+            stats = drive(engine, time.perf_counter() + limit)
             el = stats["elapsed"]
             dec = stats["decode"]
             big = [dt for n, dt in dec if n >= max(1, max((n for n, _ in dec), default=1) // 2)]

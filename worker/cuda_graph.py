@@ -22,7 +22,6 @@ import bisect
 import numpy as np
 import torch
 
-from subway.kernels import dispatch
 from subway.kernels.attention import AttentionMetadata
 
 
@@ -38,9 +37,9 @@ def maybe_decode_graphs(runner) -> DecodeGraphs | None:
     config = runner.config
     if (
         runner.device.type != "cuda"
-        or getattr(config, "enforce_eager", False)
+        or config.model.enforce_eager
         or runner.tp.world_size > 1
-        or dispatch.backend(runner.device) != "triton"
+        or runner.model.kernels.name != "triton"
     ):
         return None
     return DecodeGraphs(runner, capture_sizes(config.scheduler.max_num_seqs), capture=True)
@@ -48,8 +47,10 @@ def maybe_decode_graphs(runner) -> DecodeGraphs | None:
 
 class DecodeGraphs:
     def __init__(self, runner, sizes: list[int], capture: bool = True) -> None:
-        if dispatch.backend(runner.device) != "triton":
-            raise RuntimeError("decode graphs need the Triton kernels (SUBWAY_KERNELS)")
+        if runner.model.kernels.name != "triton":
+            raise RuntimeError(
+                "decode graphs need the Triton kernels (--kernels triton, or auto on CUDA)"
+            )
         self.model = runner.model
         self.kv_caches = runner.kv_caches
         self.device = runner.device

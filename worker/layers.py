@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from subway.kernels.dispatch import rms_norm
+from subway.kernels.dispatch import Kernels
 from subway.worker.parallel import TensorParallel
 
 
@@ -176,12 +176,15 @@ class RowParallelLinear(PackedLinear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, size: int, eps: float, kernels: Kernels, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
+        self._rms_norm = kernels.rms_norm
         self.eps = eps
         self.weight = empty_param((size,), dtype, device)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual)
+        return self._rms_norm(x, self.weight, self.eps, residual)

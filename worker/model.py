@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from subway.kernels.attention import AttentionMetadata
-from subway.kernels.dispatch import paged_attention, rope_and_write_kv, silu_and_mul
+from subway.kernels.dispatch import Kernels
 from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
 from subway.worker.layers import (
     MergedColumnParallelLinear,
@@ -34,9 +34,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class Attention(nn.Module):
     def __init__(
-        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        mc: ModelConfig,
+        tp: TensorParallel,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
+        self._rope_and_write_kv = kernels.rope_and_write_kv
+        self._paged_attention = kernels.paged_attention
         self.head_dim = mc.head_dim
         self.scale = mc.head_dim**-0.5
         self.qkv = QKVParallelLinear(
@@ -59,8 +66,9 @@ class Attention(nn.Module):
             device,
             in_shard=(q.q_start * mc.head_dim, q.num_heads * mc.head_dim),
         )
-        self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None
-        self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device) if mc.qk_norm else None
+        norm = (mc.head_dim, mc.rms_norm_eps, kernels, dtype, device)
+        self.q_norm = RMSNorm(*norm) if mc.qk_norm else None
+        self.k_norm = RMSNorm(*norm) if mc.qk_norm else None
 
     def forward(
         self,
@@ -79,16 +87,24 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         k_cache, v_cache = kv_cache
-        q = rope_and_write_kv(q, k, v, positions, rope_cache, k_cache, v_cache, md.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, md, self.scale)
+        q = self._rope_and_write_kv(
+            q, k, v, positions, rope_cache, k_cache, v_cache, md.slot_mapping
+        )
+        out = self._paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.view(n, -1))
 
 
 class MLP(nn.Module):
     def __init__(
-        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        mc: ModelConfig,
+        tp: TensorParallel,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
+        self._silu_and_mul = kernels.silu_and_mul
         i = mc.intermediate_size
         self.gate_up = MergedColumnParallelLinear(
             mc.hidden_size, [i, i], mc.mlp_bias, tp, dtype, device
@@ -96,18 +112,24 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, mc.hidden_size, mc.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up(x)))
+        return self.down_proj(self._silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, mc: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        mc: ModelConfig,
+        tp: TensorParallel,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(mc, tp, dtype, device)
-        self.mlp = MLP(mc, tp, dtype, device)
+        eps = mc.rms_norm_eps
+        self.input_layernorm = RMSNorm(mc.hidden_size, eps, kernels, dtype, device)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps, kernels, dtype, device)
+        self.self_attn = Attention(mc, tp, kernels, dtype, device)
+        self.mlp = MLP(mc, tp, kernels, dtype, device)
 
     def forward(
         self,
@@ -129,7 +151,11 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embeddings and lm_head are replicated on every rank; only rank 0 computes logits."""
+    """Embeddings and lm_head are replicated on every rank; only rank 0 computes logits.
+
+    `kernels` (`dispatch.choose_kernels`) is chosen once, for the model's device; every
+    layer keeps the functions it calls.
+    """
 
     def __init__(
         self,
@@ -138,14 +164,16 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
         self.mc = mc
+        self.kernels = kernels
         self.embed_tokens = empty_param((mc.vocab_size, mc.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(mc, tp, dtype, device) for _ in range(mc.num_layers)
+            DecoderLayer(mc, tp, kernels, dtype, device) for _ in range(mc.num_layers)
         )
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, kernels, dtype, device)
         self.lm_head = (
             self.embed_tokens
             if mc.tie_word_embeddings

@@ -11,6 +11,7 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels.attention import build_metadata, positions_and_slots
+from subway.kernels.dispatch import choose_kernels
 from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.loader import load_weights
@@ -81,7 +82,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or limit
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_ids)
-        self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len)
+        kernels = choose_kernels(config.model.kernels, config.model.cpu_ext, self.device)
+        self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len, kernels)
         load_weights(self.model, self.path)
         self.model.eval()
         if self.device.type == "cpu" and config.model.pack_weights:
