@@ -26,12 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group(GROUP_TITLES[part])
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            if not meta.get("cli", True):
-                continue
             flag = meta.get("flag") or "--" + f.name.replace("_", "-")
             names = [flag, meta["alias"]] if "alias" in meta else [flag]
             kw: dict = {"dest": f.name, "default": f.default, "help": meta.get("help") or None}
-            if f.type in ("bool", bool):
+            if f.type == "bool":
                 # A switch turns a default around: --no-overlap for True, --enforce-eager for False.
                 kw["action"] = "store_false" if f.default else "store_true"
             else:
@@ -44,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-json", default="", help=argparse.SUPPRESS)
 
 
-_TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
+_TYPES = {"int": int, "float": float, "str": str}  # the fields' annotations, as strings
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,63 @@
+"""The configuration: frozen parts, flat names, JSON between processes, flags made from fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from subway.ipc.config import EngineConfig, field_owners, parts
+from subway.tools.cli import add_engine_args, config_from_args
+
+
+def _parse(*argv: str) -> EngineConfig:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def _flat(c: EngineConfig) -> dict:
+    return {f.name: getattr(getattr(c, part), f.name) for part, cls in parts()
+            for f in dataclasses.fields(cls)}  # fmt: skip
+
+
+def test_flags_default_to_the_fields():
+    """No flag: every value is the field's default (one place for each default)."""
+    got, want = _flat(_parse("--run-id", "x")), _flat(EngineConfig.build(run_id="x"))
+    assert got == want
+
+
+def test_flags_reach_their_parts():
+    c = _parse("--model", "/m/tiny", "-tp", "2", "--no-overlap", "--enforce-eager",
+               "--block-size", "4", "--policy", "edf", "--kv-cache-memory", "123",
+               "--no-shm", "--kernels", "torch", "--port", "9")  # fmt: skip
+    assert c.model.path == "/m/tiny" and c.model.served_model_name == "tiny"
+    assert c.parallel.tensor_parallel_size == 2 and c.scheduler.overlap is False
+    assert c.model.enforce_eager is True and c.cache.block_size == 4
+    assert c.scheduler.policy == "edf" and c.cache.kv_cache_memory == 123
+    assert c.ipc.use_shm is False and c.model.kernels == "torch" and c.server.port == 9
+    with pytest.raises(SystemExit):
+        _parse("--policy", "lifo")
+
+
+def test_parts_are_frozen_and_names_unique():
+    c = EngineConfig.build(block_size=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.cache.block_size = 8  # type: ignore[misc]
+    names = [f.name for _, cls in parts() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(field_owners())
+    with pytest.raises(TypeError, match="no field"):
+        EngineConfig.build(blocksize=4)
+
+
+def test_json_round_trip_and_derived_defaults():
+    c = EngineConfig.build(run_dir="/tmp/subway-x", run_id="abc", path="/a/b", overlap=False)
+    assert c.ipc.plan_addr == "ipc:///tmp/subway-x/plan.sock"
+    assert c.ipc.prompt_shm_name == "subway_abc_prompts"
+    back = EngineConfig.from_json(c.to_json())
+    assert back == c and back.model.served_model_name == "b"
+    r = c.replace(port=1, block_size=2)
+    assert (r.server.port, r.cache.block_size, r.scheduler.overlap) == (1, 2, False)
+    assert c.server.port == 8000  # the original is untouched
