@@ -222,17 +222,17 @@ def test_preemption_gives_identical_output(tiny_models, drop_last):
     assert outputs[0] == outputs[1]
 
 
-def test_model_config_parsing():
-    from subway.worker.model_config import parse_model_config
+def test_model_arch_parsing():
+    from subway.worker.model_arch import parse_model_arch
 
     base = dict(
         vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, eos_token_id=[2, 3],
     )  # fmt: skip
-    old = parse_model_config({**base, "architectures": ["MistralForCausalLM"], "rope_theta": 5.0})
+    old = parse_model_arch({**base, "architectures": ["MistralForCausalLM"], "rope_theta": 5.0})
     assert (old.family, old.rope_theta, old.rope_scaling, old.head_dim) == ("llama", 5.0, None, 16)
     assert old.eos_token_ids == [2, 3]
-    scaled = parse_model_config(
+    scaled = parse_model_arch(
         {
             **base,
             "model_type": "llama",
@@ -244,11 +244,11 @@ def test_model_config_parsing():
     )  # fmt: skip
     assert scaled.rope_theta == 500000.0 and scaled.rope_scaling["factor"] == 8.0
     assert scaled.eos_token_ids == [2, 3, 9]
-    qwen2 = parse_model_config({**base, "architectures": ["Qwen2ForCausalLM"]})
+    qwen2 = parse_model_arch({**base, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
-    qwen3 = parse_model_config({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    qwen3 = parse_model_arch({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
     assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.qkv_bias
     with pytest.raises(ValueError, match="unsupported architecture"):
-        parse_model_config({**base, "architectures": ["GPT2LMHeadModel"]})
+        parse_model_arch({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="unsupported model_type"):
-        parse_model_config({**base, "model_type": "gpt2"})
+        parse_model_arch({**base, "model_type": "gpt2"})

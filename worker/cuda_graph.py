@@ -71,8 +71,8 @@ class DecodeGraphs:
         self._io.copy_(self._stage)
         self._copied = torch.cuda.Event() if pin else None  # the staging is free again
         self._md = {n: self._metadata(n) for n in self.sizes}
-        mc = runner.model.mc
-        self._logits = torch.empty(b, mc.vocab_size, dtype=runner.dtype, device=self.device)
+        vocab = runner.model.arch.vocab_size
+        self._logits = torch.empty(b, vocab, dtype=runner.dtype, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture()

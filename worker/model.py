@@ -26,7 +26,7 @@ from subway.worker.layers import (
     linear,
     pack_weight,
 )
-from subway.worker.model_config import ModelConfig
+from subway.worker.model_arch import ModelArch
 from subway.worker.parallel import TensorParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -35,7 +35,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Attention(nn.Module):
     def __init__(
         self,
-        mc: ModelConfig,
+        arch: ModelArch,
         tp: TensorParallel,
         kernels: Kernels,
         dtype: torch.dtype,
@@ -44,31 +44,31 @@ class Attention(nn.Module):
         super().__init__()
         self._rope_and_write_kv = kernels.rope_and_write_kv
         self._paged_attention = kernels.paged_attention
-        self.head_dim = mc.head_dim
-        self.scale = mc.head_dim**-0.5
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
         self.qkv = QKVParallelLinear(
-            mc.hidden_size,
-            mc.head_dim,
-            mc.num_heads,
-            mc.num_kv_heads,
-            mc.qkv_bias,
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.qkv_bias,
             tp,
             dtype,
             device,
         )
         q = self.qkv  # o_proj's input columns are this rank's query heads
         self.o_proj = RowParallelLinear(
-            mc.num_heads * mc.head_dim,
-            mc.hidden_size,
-            mc.o_bias,
+            arch.num_heads * arch.head_dim,
+            arch.hidden_size,
+            arch.o_bias,
             tp,
             dtype,
             device,
-            in_shard=(q.q_start * mc.head_dim, q.num_heads * mc.head_dim),
+            in_shard=(q.q_start * arch.head_dim, q.num_heads * arch.head_dim),
         )
-        norm = (mc.head_dim, mc.rms_norm_eps, kernels, dtype, device)
-        self.q_norm = RMSNorm(*norm) if mc.qk_norm else None
-        self.k_norm = RMSNorm(*norm) if mc.qk_norm else None
+        norm = (arch.head_dim, arch.rms_norm_eps, kernels, dtype, device)
+        self.q_norm = RMSNorm(*norm) if arch.qk_norm else None
+        self.k_norm = RMSNorm(*norm) if arch.qk_norm else None
 
     def forward(
         self,
@@ -97,7 +97,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(
         self,
-        mc: ModelConfig,
+        arch: ModelArch,
         tp: TensorParallel,
         kernels: Kernels,
         dtype: torch.dtype,
@@ -105,11 +105,11 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self._silu_and_mul = kernels.silu_and_mul
-        i = mc.intermediate_size
+        i = arch.intermediate_size
         self.gate_up = MergedColumnParallelLinear(
-            mc.hidden_size, [i, i], mc.mlp_bias, tp, dtype, device
+            arch.hidden_size, [i, i], arch.mlp_bias, tp, dtype, device
         )
-        self.down_proj = RowParallelLinear(i, mc.hidden_size, mc.mlp_bias, tp, dtype, device)
+        self.down_proj = RowParallelLinear(i, arch.hidden_size, arch.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._silu_and_mul(self.gate_up(x)))
@@ -118,18 +118,18 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        mc: ModelConfig,
+        arch: ModelArch,
         tp: TensorParallel,
         kernels: Kernels,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
-        eps = mc.rms_norm_eps
-        self.input_layernorm = RMSNorm(mc.hidden_size, eps, kernels, dtype, device)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps, kernels, dtype, device)
-        self.self_attn = Attention(mc, tp, kernels, dtype, device)
-        self.mlp = MLP(mc, tp, kernels, dtype, device)
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, kernels, dtype, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, kernels, dtype, device)
+        self.self_attn = Attention(arch, tp, kernels, dtype, device)
+        self.mlp = MLP(arch, tp, kernels, dtype, device)
 
     def forward(
         self,
@@ -159,7 +159,7 @@ class CausalLM(nn.Module):
 
     def __init__(
         self,
-        mc: ModelConfig,
+        arch: ModelArch,
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
@@ -167,19 +167,19 @@ class CausalLM(nn.Module):
         kernels: Kernels,
     ) -> None:
         super().__init__()
-        self.mc = mc
+        self.arch = arch
         self.kernels = kernels
-        self.embed_tokens = empty_param((mc.vocab_size, mc.hidden_size), dtype, device)
+        self.embed_tokens = empty_param((arch.vocab_size, arch.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(mc, tp, kernels, dtype, device) for _ in range(mc.num_layers)
+            DecoderLayer(arch, tp, kernels, dtype, device) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, kernels, dtype, device)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels, dtype, device)
         self.lm_head = (
             self.embed_tokens
-            if mc.tie_word_embeddings
-            else empty_param((mc.vocab_size, mc.hidden_size), dtype, device)
+            if arch.tie_word_embeddings
+            else empty_param((arch.vocab_size, arch.hidden_size), dtype, device)
         )
-        inv_freq = rope_inv_freq(mc.head_dim, mc.rope_theta, mc.rope_scaling)
+        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.register_buffer(
             "rope_cache",
             rope_cos_sin_cache(inv_freq, max_positions, dtype, device),
@@ -223,24 +223,24 @@ class CausalLM(nn.Module):
 
     def expected_weights(self) -> set[str]:
         """Checkpoint names that must all be present."""
-        mc = self.mc
+        arch = self.arch
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not mc.tie_word_embeddings:
+        if not arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        for i in range(mc.num_layers):
+        for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
             for proj in ("q", "k", "v", "o"):
                 names.add(f"{p}self_attn.{proj}_proj.weight")
             for proj in ("gate", "up", "down"):
                 names.add(f"{p}mlp.{proj}_proj.weight")
-            if mc.qkv_bias:
+            if arch.qkv_bias:
                 names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-            if mc.o_bias:
+            if arch.o_bias:
                 names.add(f"{p}self_attn.o_proj.bias")
-            if mc.mlp_bias:
+            if arch.mlp_bias:
                 names |= {f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")}
-            if mc.qk_norm:
+            if arch.qk_norm:
                 names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         return names
 
@@ -252,7 +252,7 @@ class CausalLM(nn.Module):
             self.embed_tokens.copy_(tensor)
             return True
         if name == "lm_head.weight":
-            if not self.mc.tie_word_embeddings:
+            if not self.arch.tie_word_embeddings:
                 self.lm_head.copy_(tensor)
             return True
         if name == "model.norm.weight":

@@ -16,7 +16,7 @@ from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.loader import load_weights
 from subway.worker.model import CausalLM
-from subway.worker.model_config import load_model_config, resolve_dtype
+from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.sampler import Sampler, SampleRequest
@@ -71,7 +71,7 @@ class ModelRunner:
         if not config.model.path:
             raise ValueError("no model path: the launcher resolves the default model")
         self.path = config.model.path
-        mc = load_model_config(self.path)
+        mc = load_model_arch(self.path)
         self.model_config = mc
         self.device = resolve_device(config.model.device, rank)
         self.dtype = resolve_dtype(config.model.dtype, mc.dtype, self.device)

@@ -1,4 +1,6 @@
-"""What the worker needs from a Hugging Face folder's config.json (and generation_config.json)."""
+"""A model's architecture, as the worker reads it from a Hugging Face folder's config.json
+(and generation_config.json): `ModelArch`. Not to be confused with `ipc.config.ModelConfig`,
+which says what to load and how."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
-class ModelConfig:
+class ModelArch:
     family: str  # "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
@@ -44,14 +46,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
 
-def load_model_config(path: str) -> ModelConfig:
+def load_model_arch(path: str) -> ModelArch:
     """Parse `path/config.json`; raise ValueError for an architecture Subway does not run."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    return parse_model_config(cfg, _generation_eos(path))
+    return parse_model_arch(cfg, _generation_eos(path))
 
 
-def parse_model_config(cfg: dict, generation_eos: list[int] | None = None) -> ModelConfig:
+def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> ModelArch:
     family = _family(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -67,7 +69,7 @@ def parse_model_config(cfg: dict, generation_eos: list[int] | None = None) -> Mo
     for t in generation_eos or []:
         if t not in eos:
             eos.append(t)
-    return ModelConfig(
+    return ModelArch(
         family=family,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
