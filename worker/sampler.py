@@ -59,16 +59,6 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
 
 
-def seed_for(seed: int, num_generated: int) -> int:
-    """A well-mixed 64-bit seed for token `num_generated` of a request (splitmix64).
-
-    The same function as the device-side `_mix64(seed * GOLDEN + num_generated + 1)`."""
-    z = (seed * 0x9E3779B97F4A7C15 + num_generated + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's >> is arithmetic)."""
     return (x >> k) & ((1 << (64 - k)) - 1)
@@ -93,17 +83,12 @@ def seeded_exponential(
     return -torch.log(u)
 
 
-def is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < _GREEDY_EPS
-
-
 def has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
