@@ -91,6 +91,20 @@ def test_runner_packs_its_linear_layers(tiny_models):
     assert runner.model.lm_head_packed is not None
 
 
+def test_cpu_ext_is_a_config_field(tiny_models):
+    """`ModelConfig.cpu_ext` (`--no-cpu-ext`) decides once, when the model is built."""
+    from subway.ipc.config import EngineConfig
+    from subway.kernels import ops
+    from subway.kernels.dispatch import choose_kernels
+    from subway.worker.runner import ModelRunner
+
+    assert choose_kernels("auto", True, "cpu").rms_norm is not ops.rms_norm
+    assert choose_kernels("auto", False, "cpu").rms_norm is ops.rms_norm
+    config = EngineConfig.build(path=tiny_models["llama"], num_kv_blocks=8, cpu_ext=False)
+    kernels = ModelRunner(config).model.kernels
+    assert kernels.name == "torch" and kernels.rms_norm is ops.rms_norm
+
+
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance in bfloat16 units in the last place (same-sign values)."""
     ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
