@@ -1,19 +1,34 @@
-"""From a parsed request to what the engine takes: prompt ids and SamplingParams.
+"""The pipeline's first stage: from a request body to what the engine takes.
 
-Everything that needs the tokenizer or the engine's limits (context length,
-vocabulary) is checked here; failures are 400s.
+`parse` reads a JSON body into a request model; `chat_job` and `completion_job`
+turn a request into a `Job`: its prompts' ids and, per prompt, the
+SamplingParams of its choices. Everything that needs the tokenizer or the
+engine's limits (context length, vocabulary) is checked here; failures are
+400s (404 for another model).
+
+With `echo`, a completion's text starts with its prompt; with `echo` and
+`logprobs`, its logprobs start with the prompt's tokens (`prompt_logprobs`),
+as evaluation harnesses read them to score answers. `max_tokens` 0 is allowed
+with `echo`: the prompt alone (the engine still runs the prefill when logprobs
+are asked, and its one generated token is dropped; without them, nothing runs).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-import msgspec
+from pydantic import BaseModel, ValidationError
 
-from subway.frontend.errors import APIError
+from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
+
+R = TypeVar("R", bound=BaseModel)
+DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's; a chat's is the rest of the context
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,96 @@ class Limits:
 class Prompt:
     ids: list[int]
     text: str | None = None  # the prompt as text, when it was given (or rendered) as text
+
+
+@dataclass
+class Job:
+    """What one API request asks of the engine: per prompt, its ids and its choices' sampling."""
+
+    prompts: list[Prompt]
+    sampling: list[SamplingParams]  # one per prompt
+    no_output: bool = False  # max_tokens 0 (echo): the choices end at their prompts
+    run_engine: bool = True  # False: max_tokens 0 without logprobs, nothing to ask the engine
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
+
+
+def parse(model: type[R], body: bytes) -> R:
+    """Parse a JSON body; anything wrong is a 400 (json.loads first: pydantic takes NaN literals)."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    _check_text(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _check_text(obj, depth: int = 0) -> None:
+    """Reject what JSON allows but text cannot be: lone UTF-16 surrogates (`"\\ud800"`)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, "the request holds a string that is not valid Unicode") from e
+    elif depth > 64:
+        raise APIError(400, "the request body is nested too deeply")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_text(k, depth + 1)
+            _check_text(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_text(v, depth + 1)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def check_model(req: BaseModel, config: EngineConfig) -> None:
+    """Any request with a `model` field: it must be the served one, when given."""
+    if req.model is not None and req.model != config.model.served_model_name:
+        raise APIError(404, f"the model `{req.model}` does not exist", "model")
+
+
+def check_request(req: SamplingRequest, config: EngineConfig) -> None:
+    """What the HTTP endpoints refuse first: another model, a completion's `suffix`."""
+    check_model(req, config)
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+
+
+def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
+    prompt = chat_prompt(req, tokenizer, limits)
+    max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids), limits, None)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return Job([prompt], [sampling_params(req, max_tokens, top, limits)])
+
+
+def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
+    prompts = completion_prompts(req, tokenizer, limits)
+    no_output = req.max_tokens == 0
+    want_prompt_lps = req.echo and req.logprobs is not None
+    sampling = []
+    for prompt in prompts:
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), limits, DEFAULT_MAX_TOKENS)
+        sampling.append(
+            sampling_params(
+                req,
+                max(1, max_tokens),
+                req.logprobs,
+                limits,
+                prompt_logprobs=req.logprobs if want_prompt_lps else None,
+            )
+        )
+    return Job(prompts, sampling, no_output, run_engine=not no_output or want_prompt_lps)
 
 
 def check_token_ids(ids: Sequence[int], limits: Limits, param: str) -> None:
@@ -137,11 +242,3 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-
-
-def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of n: a seeded request's choices draw from seeds seed, seed+1, ... (as
-    vLLM), so that they differ from each other but are reproducible."""
-    if sampling.seed is None or index == 0:
-        return sampling
-    return msgspec.structs.replace(sampling, seed=sampling.seed + index)

@@ -132,21 +132,5 @@ class Metrics:
         self.success.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(max(0.0, e2e))
 
-    def observe_request(
-        self,
-        prompt_tokens: int,
-        token_times: list[float],
-        arrival: float,
-        finished: float,
-        finish_reason: str,
-        queue_time: float | None = None,
-    ) -> None:
-        """A whole request at once: `token_times` are the arrival times of each output token."""
-        if token_times:
-            self.observe_first_token(token_times[0] - arrival, queue_time)
-            for a, b in zip(token_times, token_times[1:], strict=False):
-                self.observe_inter_token(b - a)
-        self.observe_finish(prompt_tokens, len(token_times), finished - arrival, finish_reason)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,17 +13,27 @@ the way of streaming responses and of disconnect detection. In order:
 - one structured access-log line per request, on logger `subway.access`:
   method, path, status, id, prompt and output tokens, TTFT, latency, finish
   reasons (JSON). `/health` and `/metrics` log at DEBUG, the rest at INFO.
+
+The middleware makes each request's `AccessRecord`; the route that serves the
+request takes it with `access_record()` and hands it on as an argument to what
+fills it in (ids and token counts, then each event). The native ZMQ endpoint
+logs its requests with the same record and fields.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from subway.frontend.errors import APIError
-from subway.frontend.generation import AccessRecord
+
+if TYPE_CHECKING:
+    from subway.frontend.choices import ChoiceEvent
 
 access_log = logging.getLogger("subway.access")
 
@@ -31,6 +41,52 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
 DRAIN_LIMIT = 64 * 1024 * 1024  # a declared oversize body is drained up to this, then cut
 QUIET_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class AccessRecord:
+    """What the access log says about one API request (filled in by its handler)."""
+
+    request_id: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def note(self, event: ChoiceEvent) -> None:
+        self.output_tokens += len(event.token_ids)
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.time()
+        if event.finish_reason is not None:
+            self.finish_reasons.append(event.finish_reason)
+
+    def fields(self, start: float) -> dict:
+        """The line's fields about the API request (none if it never got that far)."""
+        if not self.request_id:
+            return {}
+        ttft = None if self.first_token_at is None else self.first_token_at - start
+        reasons = self.finish_reasons
+        return {
+            "id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_s": None if ttft is None else round(ttft, 6),
+            "finish_reason": reasons[0] if len(set(reasons)) == 1 else reasons or None,
+        }
+
+
+def log_access(level: int, line: dict) -> None:
+    access_log.log(level, json.dumps(line, separators=(",", ":")))
+
+
+_current_record: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar(
+    "subway_access_record", default=None
+)
+
+
+def access_record() -> AccessRecord:
+    """The record of the HTTP request being served (a loose one outside the middleware)."""
+    return _current_record.get() or AccessRecord()
 
 
 class GuardMiddleware:
@@ -52,7 +108,7 @@ class GuardMiddleware:
             return
         start = time.time()
         record = AccessRecord()
-        scope["subway.access"] = record
+        token = _current_record.set(record)
         status = {"code": 0}
 
         async def send_wrapper(message) -> None:
@@ -75,6 +131,7 @@ class GuardMiddleware:
             status["code"] = status["code"] or 500  # the server's error handler answers
             raise
         finally:
+            _current_record.reset(token)
             self._log(scope, status["code"], record, start)
 
     def _check(self, scope) -> APIError | None:
@@ -116,28 +173,14 @@ class GuardMiddleware:
         level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
         if not access_log.isEnabledFor(level):
             return
-        now = time.time()
         line = {
             "method": scope.get("method"),
             "path": path,
             "status": status or 499,
             "client": (scope.get("client") or ("", 0))[0],
-            "latency_s": round(now - start, 6),
+            "latency_s": round(time.time() - start, 6),
         }
-        if record.request_id:
-            ttft = None if record.first_token_at is None else record.first_token_at - start
-            line.update(
-                id=record.request_id,
-                prompt_tokens=record.prompt_tokens,
-                output_tokens=record.output_tokens,
-                ttft_s=None if ttft is None else round(ttft, 6),
-                finish_reason=(
-                    record.finish_reasons[0]
-                    if len(set(record.finish_reasons)) == 1
-                    else record.finish_reasons or None
-                ),
-            )
-        access_log.log(level, json.dumps(line, separators=(",", ":")))
+        log_access(level, line | record.fields(start))
 
 
 def _content_length(scope) -> int | None:

@@ -6,8 +6,9 @@ native ZMQ endpoint) in its lifespan, so their sockets live on the server's
 event loop. `GuardMiddleware` wraps it all (API key, size limits, access log).
 `run_frontend` is the process main.
 
-Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`,
-`/detokenize`, `/version`, `/health`, `/metrics`.
+Routes: `/v1/completions` and `/v1/chat/completions` (both through
+`pipeline.serve`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
+`/health`, `/metrics`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from subway import __version__
-from subway.frontend.chat import create_chat_completion
-from subway.frontend.completions import create_completion
 from subway.frontend.engine_client import EngineClient
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.inputs import chat_prompt, check_token_ids, encode
+from subway.frontend.inputs import chat_prompt, check_model, check_token_ids, encode, parse
 from subway.frontend.metrics import Metrics
-from subway.frontend.middleware import MAX_BODY_BYTES, MAX_HEADER_BYTES, GuardMiddleware
+from subway.frontend.middleware import (
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    GuardMiddleware,
+    access_record,
+)
+from subway.frontend.pipeline import CHAT, COMPLETIONS, ServingContext, serve
 from subway.frontend.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -42,7 +47,6 @@ from subway.frontend.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from subway.frontend.serving import ServingContext, check_model, parse
 from subway.frontend.zmq_endpoint import ClientEndpoint, client_address
 from subway.ipc.config import EngineConfig
 
@@ -83,8 +87,6 @@ def build_app(
             await engine.aclose()
 
     app = FastAPI(title="Subway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.ctx = ctx
-    app.state.client_address = address
     app.add_middleware(
         GuardMiddleware,
         api_key=config.server.api_key,
@@ -111,17 +113,18 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        link = engine.link
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if engine.healthy:
+        if link.healthy:
             return Response(status_code=200)
-        reason = engine.error or ("engine not ready" if not engine.ready else "engine silent")
+        reason = link.error or ("engine not ready" if not link.ready else "engine silent")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        if engine.stats is not None:
-            metrics.observe_stats(engine.stats)
+        if engine.link.stats is not None:
+            metrics.observe_stats(engine.link.stats)
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/version")
@@ -130,16 +133,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        max_len = engine.info.max_model_len if engine.info else None
+        info = engine.link.info
+        max_len = info.max_model_len if info else None
         return ModelList(data=[ModelCard(id=config.model.served_model_name, max_model_len=max_len)])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(request, ctx)
+        return await serve(ctx, COMPLETIONS, request, access_record())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(request, ctx)
+        return await serve(ctx, CHAT, request, access_record())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

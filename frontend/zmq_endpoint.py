@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-import uuid
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
@@ -31,12 +30,13 @@ from subway.client.protocol import (
     GenerateRequest,
     ToFrontendEndpoint,
 )
-from subway.frontend.completions import CompletionChoices
+from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.generation import AccessRecord, ChoiceGroup
-from subway.frontend.middleware import access_log
+from subway.frontend.inputs import completion_job
+from subway.frontend.logprobs import native_logprobs
+from subway.frontend.middleware import AccessRecord, access_log, log_access
+from subway.frontend.pipeline import ServingContext, admit, engine_failure, new_id
 from subway.frontend.protocol import CompletionRequest
-from subway.frontend.serving import ServingContext, engine_failure
 from subway.ipc.sockets import bind, cleanup_ipc
 
 log = logging.getLogger("subway.frontend")
@@ -121,30 +121,17 @@ class ClientEndpoint:
             raise fut.exception()
 
     async def _serve(self, identity: bytes, msg: GenerateRequest) -> None:
+        """One request through the pipeline's stages, its answers sent as they come."""
         start = time.time()
         record = AccessRecord()
         status = 200
+        group = None
         try:
             group = self._admit(msg, record)
-        except APIError as e:
-            status = e.status
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(identity, GenerateError(msg.request_id, e.status, e.message))
-            self._log(msg, status, record, start)
-            return
-        pending = GenerateOutput(msg.request_id, prompt_tokens=record.prompt_tokens)
-        try:
-            async for ev in group.events():
-                pending.token_ids += ev.token_ids
-                pending.text += ev.text
-                if ev.logprobs is not None:
-                    pending.logprobs = (pending.logprobs or []) + [
-                        lp.logprob if lp.logprob is not None else float("nan") for lp in ev.logprobs
-                    ]
-                pending.finish_reason = ev.finish_reason
-                if msg.stream or ev.finish_reason is not None:
-                    self._send(identity, pending)
-                    pending = GenerateOutput(msg.request_id)
+            async for out in native_outputs(
+                group, msg.request_id, record.prompt_tokens, msg.stream
+            ):
+                self._send(identity, out)
         except zmq.ZMQError:
             status = 499  # the client is gone: leaving aborts the engine requests
         except asyncio.CancelledError:
@@ -152,16 +139,17 @@ class ClientEndpoint:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(identity, GenerateOutput(msg.request_id, finish_reason="abort"))
             raise
-        except Exception as e:
+        except Exception as e:  # refused (an APIError), or failed
             err = engine_failure(e)
             status = err.status
             with contextlib.suppress(zmq.ZMQError):
                 self._send(identity, GenerateError(msg.request_id, err.status, err.message))
         finally:
-            group.close()
+            if group is not None:
+                group.close()
             self._log(msg, status, record, start)
 
-    def _admit(self, msg: GenerateRequest, record: AccessRecord) -> ChoiceGroup:
+    def _admit(self, msg: GenerateRequest, record: AccessRecord) -> ChoiceGroup | None:
         ctx = self.ctx
         if self._key and not hmac.compare_digest(msg.api_key.encode(), self._key):
             raise APIError(401, "invalid or missing API key")
@@ -175,27 +163,13 @@ class ClientEndpoint:
             raise from_validation_error(e) from e
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             raise APIError(400, "one prompt per request", "prompt")
-        request_id = f"zmq-{uuid.uuid4().hex}"
-        choices = CompletionChoices(req, ctx, request_id)
-        record.request_id = request_id
-        record.prompt_tokens = choices.prompt_tokens
-        try:
-            return ChoiceGroup(
-                ctx.engine,
-                ctx.tokenizer,
-                choices.specs,
-                metrics=ctx.metrics,
-                timeout=ctx.timeout(req.timeout),
-                record=record,
-            )
-        except Exception as e:
-            raise engine_failure(e) from e
+        job = completion_job(req, ctx.tokenizer, ctx.limits())  # echo is ignored: it runs
+        return admit(ctx, req, new_id("zmq"), job, record)
 
     @staticmethod
     def _log(msg: GenerateRequest, status: int, record: AccessRecord, start: float) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        ttft = None if record.first_token_at is None else record.first_token_at - start
         line = {
             "method": "ZMQ",
             "path": "generate",
@@ -203,12 +177,20 @@ class ClientEndpoint:
             "client_request_id": msg.request_id,
             "latency_s": round(time.time() - start, 6),
         }
-        if record.request_id:
-            line.update(
-                id=record.request_id,
-                prompt_tokens=record.prompt_tokens,
-                output_tokens=record.output_tokens,
-                ttft_s=None if ttft is None else round(ttft, 6),
-                finish_reason=record.finish_reasons[0] if record.finish_reasons else None,
-            )
-        access_log.info(json.dumps(line, separators=(",", ":")))
+        log_access(logging.INFO, line | record.fields(start))
+
+
+async def native_outputs(
+    group: ChoiceGroup, request_id: str, prompt_tokens: int, stream: bool
+) -> AsyncIterator[GenerateOutput]:
+    """The native endpoint's answer to one request: an output per event, or one at the end."""
+    pending = GenerateOutput(request_id, prompt_tokens=prompt_tokens)
+    async for ev in group.events():
+        pending.token_ids += ev.token_ids
+        pending.text += ev.text
+        if ev.logprobs is not None:
+            pending.logprobs = (pending.logprobs or []) + native_logprobs(ev.logprobs)
+        pending.finish_reason = ev.finish_reason
+        if stream or ev.finish_reason is not None:
+            yield pending
+            pending = GenerateOutput(request_id)

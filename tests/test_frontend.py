@@ -689,10 +689,11 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
         await client.start()
         try:
             for _ in range(200):
-                if client.ready:
+                if client.link.ready:
                     break
                 await asyncio.sleep(0.02)
-            assert client.ready and client.healthy and client.info.max_model_len == 256
+            link = client.link
+            assert link.ready and link.healthy and link.info.max_model_len == 256
             sp = SamplingParams(max_tokens=30)
             big = list(range(10, 30))  # 20 ids: more than the buffer holds
             got = [d async for d in client.generate("big", big, sp)]
@@ -718,7 +719,7 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
             with pytest.raises(EngineDeadError):
                 async for _ in stream:
                     pass
-            assert not client.ready
+            assert not client.link.ready
         finally:
             await client.aclose()
 

@@ -1,16 +1,21 @@
-"""Running the engine requests of one API request: text events per choice, merged.
+"""Choice fan-out: the engine requests of one API request, run and merged into text events.
 
-Each choice (n per prompt) is its own engine request, detokenized on its own.
+Each choice (n per prompt) is its own engine request, detokenized on its own:
+`fan_out` makes their specs, choice j of prompt p at index p * n + j, and a
+seeded request's choices draw from seeds seed, seed + 1, ... (as vLLM), so
+that they differ from each other but are reproducible.
+
 A `ChoiceGroup` submits them all at once, synchronously, so that a full queue
 or a dead engine is an error response before any response starts; then it runs
-one task per choice and yields their events in arrival order. A client
-disconnect cancels every task at once, which aborts their engine requests,
-even when nobody reads the stream any more. A deadline (the request's timeout)
-ends every unfinished choice with finish_reason "abort".
+one task per choice (`run_choice`) and yields their events in arrival order. A
+client disconnect cancels every task at once, which aborts their engine
+requests, even when nobody reads the stream any more. A deadline (the
+request's timeout) ends every unfinished choice with finish_reason "abort".
 
 Metrics are observed as tokens arrive (time to first token, inter-token
 latency) and when a choice ends, however it ends (end-to-end latency, finish
-reason); `AccessRecord` collects what the access log line reports.
+reason). Logprobs leave here as `TokenLogprob`s: token ids and numbers, which
+`render.py` turns into each API's shape.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from starlette.requests import Request
 
 from subway.frontend.detokenizer import Detokenizer
 from subway.frontend.engine_client import EngineClient, EngineDeadError, RequestStream
+from subway.frontend.inputs import Job
+from subway.frontend.logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
 from subway.frontend.metrics import Metrics
+from subway.frontend.protocol import SamplingRequest
 from subway.ipc.messages import PromptLogprobs, RequestDelta, SamplingParams
 
 
@@ -36,13 +45,6 @@ class ClientDisconnected(Exception):
 
 class GenerationError(RuntimeError):
     """The engine finished a request with finish_reason "error"."""
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float | None
-    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -68,57 +70,32 @@ class ChoiceEvent:
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked
 
 
-@dataclass
-class AccessRecord:
-    """What the access log says about one API request (filled in by its handler)."""
-
-    request_id: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    first_token_at: float | None = None
-    finish_reasons: list[str] = field(default_factory=list)
-
-    def note(self, event: ChoiceEvent) -> None:
-        self.output_tokens += len(event.token_ids)
-        if event.token_ids and self.first_token_at is None:
-            self.first_token_at = time.time()
-        if event.finish_reason is not None:
-            self.finish_reasons.append(event.finish_reason)
-
-
-def _finite(x: float) -> float | None:
-    """Logprobs as JSON takes them: NaN (not computed) is None, -inf is clamped as vLLM does."""
-    if math.isnan(x):
-        return None
-    return max(x, -9999.0)
+def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]:
+    """`req.n` choices per prompt of `job`, each its own engine request `{request_id}-{index}`."""
+    specs = []
+    for prompt, sampling in zip(job.prompts, job.sampling, strict=True):
+        for j in range(req.n):
+            index = len(specs)
+            specs.append(
+                ChoiceSpec(
+                    index=index,
+                    request_id=f"{request_id}-{index}",
+                    prompt_ids=prompt.ids,
+                    sampling=_choice_sampling(sampling, j),
+                    stops=req.stop_strings(),
+                    skip_special_tokens=req.skip_special_tokens,
+                    priority=req.priority,
+                    slo_ttft_ms=req.slo_ttft_ms,
+                    slo_class=req.slo_class,
+                )
+            )
+    return specs
 
 
-def _logprobs(delta: RequestDelta, n: int) -> list[TokenLogprob] | None:
-    if delta.logprobs is None:
-        return None
-    out = []
-    for i in range(n):
-        top_ids = delta.top_ids[i] if delta.top_ids else []
-        top_lps = delta.top_logprobs[i] if delta.top_logprobs else []
-        top = [(t, _finite(v)) for t, v in zip(top_ids, top_lps, strict=False)]
-        out.append(TokenLogprob(delta.token_ids[i], _finite(delta.logprobs[i]), top))
-    return out
-
-
-def prompt_token_logprobs(
-    prompt_ids: list[int], plp: PromptLogprobs | None
-) -> list[TokenLogprob] | None:
-    """One entry per prompt token; the first has no logprob (nothing comes before it)."""
-    if plp is None:
-        return None
-    out = [TokenLogprob(prompt_ids[0], None, None)]
-    for j, token_id in enumerate(prompt_ids[1:]):
-        lp = _finite(plp.logprobs[j]) if j < len(plp.logprobs) else None
-        ids = plp.top_ids[j] if j < len(plp.top_ids) else []
-        vals = plp.top_logprobs[j] if j < len(plp.top_logprobs) else []
-        top = [(t, _finite(v)) for t, v in zip(ids, vals, strict=False)]
-        out.append(TokenLogprob(token_id, lp, top if lp is not None else None))
-    return out
+def _choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
+    if sampling.seed is None or j == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + j)
 
 
 async def run_choice(
@@ -187,7 +164,9 @@ async def run_choice(
             stop_token = delta.finish_reason == "stop" and len(ids) > 0
             step = detok.add(ids[:-1] if stop_token else ids)
             used = step.num_tokens if step.stopped else len(ids)
-            event = ChoiceEvent(spec.index, step.text, list(ids[:used]), _logprobs(delta, used))
+            event = ChoiceEvent(
+                spec.index, step.text, list(ids[:used]), token_logprobs(delta, used)
+            )
             if first:
                 first = False
                 event.prompt_logprobs = prompt_token_logprobs(
@@ -240,9 +219,10 @@ class ChoiceGroup:
         request: Request | None = None,
         metrics: Metrics | None = None,
         timeout: float | None = None,
-        record: AccessRecord | None = None,
+        on_event: Callable[[ChoiceEvent], None] | None = None,
     ) -> None:
-        self.record = record
+        """`on_event` sees every event `events()` yields (the access record notes them)."""
+        self.on_event = on_event
         self.streams: list[RequestStream] = []
         engine.check_capacity(len(specs))
         try:
@@ -264,7 +244,8 @@ class ChoiceGroup:
         deadline = loop.time() + timeout if timeout else None
 
         def step_time() -> float:
-            return engine.stats.step_time if engine.stats is not None else 0.0
+            stats = engine.link.stats
+            return stats.step_time if stats is not None else 0.0
 
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks = [
@@ -303,8 +284,8 @@ class ChoiceGroup:
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    if self.record is not None:
-                        self.record.note(item)
+                    if self.on_event is not None:
+                        self.on_event(item)
                     yield item
         finally:
             self.close()
