@@ -65,20 +65,7 @@ class Completion:
             self.finish_reason = out.finish_reason
 
 
-def _request(
-    request_id: str | None, prompt: str | list[int], params: dict[str, Any], api_key: str
-) -> GenerateRequest:
-    rid = request_id or uuid.uuid4().hex
-    if isinstance(prompt, str):
-        return GenerateRequest(rid, prompt=prompt, params=params, api_key=api_key)
-    return GenerateRequest(rid, prompt_token_ids=list(prompt), params=params, api_key=api_key)
-
-
 _encoder = msgspec.msgpack.Encoder()
-
-
-def _decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(FromFrontendEndpoint)
 
 
 def _ends(answer: GenerateOutput | GenerateError) -> bool:
@@ -92,21 +79,44 @@ def _output(answer: GenerateOutput | GenerateError) -> GenerateOutput:
     return answer
 
 
-class Client:
+class _Dealer:
+    """What both clients share: a DEALER socket to the endpoint, and how requests are made."""
+
+    def __init__(self, address: str, api_key: str, timeout: float | None, ctx) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout = timeout
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._decoder = msgspec.msgpack.Decoder(FromFrontendEndpoint)
+
+    def _request(
+        self, prompt: str | list[int], request_id: str | None, params: dict[str, Any], live
+    ) -> GenerateRequest:
+        """A new request; its id (a fresh one by default) must not be in `live`."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in live:
+            raise ValueError(f"request id {rid!r} is in flight")
+        key = self.api_key
+        if isinstance(prompt, str):
+            return GenerateRequest(rid, prompt=prompt, params=params, api_key=key)
+        return GenerateRequest(rid, prompt_token_ids=list(prompt), params=params, api_key=key)
+
+    def _close_socket(self) -> None:
+        self._sock.close(linger=200)  # time for the aborts to leave
+        self._ctx.term()
+
+
+class Client(_Dealer):
     """A blocking client for the native ZMQ endpoint.
 
     `timeout`: seconds to wait for the next answer before TimeoutError (None: forever).
     """
 
     def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
-        self.address = address
-        self.api_key = api_key
-        self.timeout = timeout
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self._decoder = _decoder()
+        super().__init__(address, api_key, timeout, zmq.Context())
         self._inbox: dict[str, collections.deque] = {}
         self._open: set[str] = set()
 
@@ -122,14 +132,11 @@ class Client:
             return
         for rid in list(self._open):
             self.abort(rid)
-        self._sock.close(linger=200)  # time for the aborts to leave
-        self._ctx.term()
+        self._close_socket()
 
     def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
         """Send a request; read its outputs with `outputs(request_id)`. Returns its id."""
-        req = _request(request_id, prompt, params, self.api_key)
-        if req.request_id in self._open:
-            raise ValueError(f"request id {req.request_id!r} is in flight")
+        req = self._request(prompt, request_id, params, self._open)
         self._open.add(req.request_id)
         self._inbox[req.request_id] = collections.deque()
         self._sock.send(_encoder.encode(req))
@@ -185,18 +192,11 @@ class Client:
         return box.popleft()
 
 
-class AsyncClient:
+class AsyncClient(_Dealer):
     """An asyncio client for the native ZMQ endpoint; use it from one event loop."""
 
     def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
-        self.address = address
-        self.api_key = api_key
-        self.timeout = timeout
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        self._decoder = _decoder()
+        super().__init__(address, api_key, timeout, zmq.asyncio.Context())
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
@@ -216,13 +216,10 @@ class AsyncClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         await asyncio.sleep(0.05)  # let the aborts leave
-        self._sock.close(linger=200)
-        self._ctx.term()
+        self._close_socket()
 
     def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
-        req = _request(request_id, prompt, params, self.api_key)
-        if req.request_id in self._queues:
-            raise ValueError(f"request id {req.request_id!r} is in flight")
+        req = self._request(prompt, request_id, params, self._queues)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read_loop(), name="subway-client-reader")
         self._queues[req.request_id] = asyncio.Queue()

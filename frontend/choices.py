@@ -15,7 +15,7 @@ request's timeout) ends every unfinished choice with finish_reason "abort".
 Metrics are observed as tokens arrive (time to first token, inter-token
 latency) and when a choice ends, however it ends (end-to-end latency, finish
 reason). Logprobs leave here as `TokenLogprob`s: token ids and numbers, which
-`render.py` turns into each API's shape.
+`logprobs.py` renders in each API's shape.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from subway.ipc.messages import PromptLogprobs, RequestDelta, SamplingParams
 
 
 class ClientDisconnected(Exception):
-    pass
+    """The HTTP client went away while its choices ran."""
 
 
 class GenerationError(RuntimeError):

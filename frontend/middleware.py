@@ -14,10 +14,12 @@ the way of streaming responses and of disconnect detection. In order:
   method, path, status, id, prompt and output tokens, TTFT, latency, finish
   reasons (JSON). `/health` and `/metrics` log at DEBUG, the rest at INFO.
 
-The middleware makes each request's `AccessRecord`; the route that serves the
-request takes it with `access_record()` and hands it on as an argument to what
-fills it in (ids and token counts, then each event). The native ZMQ endpoint
-logs its requests with the same record and fields.
+The middleware makes each request's `AccessRecord` and logs it when the
+request ends. The route takes it once, with `access_record()` (a context
+variable that the middleware sets for the request's task: no key in the ASGI
+scope), and from there it is an argument of whatever fills it in (ids and
+token counts, then each event). The native ZMQ endpoint logs its requests with
+the same record and fields.
 """
 
 from __future__ import annotations
