@@ -247,13 +247,21 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Answer(BaseModel):
+    """The fields of every completion body, whole or a streamed chunk, in OpenAI's order;
+    each kind names its `object` and its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list
     usage: Usage | None = None
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -268,13 +276,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -295,26 +299,15 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One SSE event of a streamed chat completion (`usage` only on the last when asked)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(CompletionResponse):
     """One SSE event of a streamed completion: the same shape as the full response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TokenizeResponse(BaseModel):
