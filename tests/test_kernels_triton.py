@@ -458,5 +458,7 @@ def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_g
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = hf_greedy(path, prompt, max_new)
         near_ties += compare(out.token_ids, ref, out.top_ids)
-    print(f"{arch}, triton (interpreted): {engine.scheduler.stats.num_steps_total} steps in {elapsed:.1f}s")
+    print(
+        f"{arch}, triton (interpreted): {engine.scheduler.stats.num_steps_total} steps in {elapsed:.1f}s"
+    )
     assert near_ties == 0
