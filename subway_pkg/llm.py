@@ -1,18 +1,18 @@
-"""Offline inference in one process: `LLM(config).generate(prompts, sampling)`.
+"""Offline inference in one process: `LLM(...).generate(prompts, sampling)`.
 
 The same `Scheduler` and `ModelRunner` that `subway serve` runs in separate
 processes, driven by the same `EngineCore` loop through an in-process executor,
 without sockets. `config.scheduler.overlap` picks the depth (plan N+1 before
 result N is settled, as the scheduler process does); `run` and `generate` may
-override it per call.
+override it per call. Prompts are token ids or text (then tokenized with the
+model's tokenizer, and each output carries its decoded `text`).
 
-    from subway.ipc.config import EngineConfig
+    from subway import LLM
     from subway.ipc.messages import SamplingParams
-    from subway.llm import LLM
 
-    llm = LLM(EngineConfig.build(path="/path/to/hf-folder"))
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))[0]
-    print(out.token_ids, out.finish_reason)
+    llm = LLM(dtype="bfloat16")  # flat config fields; no path: the default model
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
+    print(out.text, out.token_ids, out.finish_reason)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from subway.scheduler.scheduler import Scheduler
 class Output:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    text: str | None = None  # decoded, for text prompts
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
 
@@ -62,10 +63,17 @@ class InProcessExecutor:
 
 
 class LLM:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig | None = None, **flat: Any) -> None:
+        """`config`, or flat config fields (`path=`, `dtype=`, ...); with no model path,
+        the default model (resolved as the launcher resolves it)."""
+        from subway.tools.cli import resolve_model
         from subway.worker.runner import ModelRunner  # torch: only when a model runs here
 
-        self.config = config
+        if config is None:
+            config = EngineConfig.build(**flat)
+        elif flat:
+            config = config.replace(**flat)
+        self.config = config = resolve_model(config)
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(
             config, self.runner.num_blocks, self.runner.max_model_len, self.runner.eos_token_ids
@@ -74,9 +82,21 @@ class LLM:
             self.scheduler, InProcessExecutor(self.runner), 2 if config.scheduler.overlap else 1
         )
         self._next_id = 0
+        self._tokenizer: Any = None
 
-    def add(self, prompt: list[int], sampling: SamplingParams, **extra: Any) -> str:
-        """Queue one prompt (token ids); `extra` are AddRequest fields (priority, ...)."""
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            model = self.config.model
+            self._tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.path)
+        return self._tokenizer
+
+    def add(self, prompt: list[int] | str, sampling: SamplingParams, **extra: Any) -> str:
+        """Queue one prompt (token ids or text); `extra` are AddRequest fields (priority, ...)."""
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(prompt)["input_ids"]
         rid = f"r{self._next_id}"
         self._next_id += 1
         msg = AddRequest(
@@ -112,9 +132,18 @@ class LLM:
         self.core.run(on_deltas)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, overlap: bool | None = None
+        self,
+        prompts: list[list[int]] | list[str],
+        sampling: SamplingParams | None = None,
+        overlap: bool | None = None,
     ) -> list[Output]:
+        """Generate for every prompt (greedy, 16 tokens, unless `sampling` says otherwise)."""
+        sampling = sampling if sampling is not None else SamplingParams(temperature=0.0)
         ids = [self.add(p, sampling) for p in prompts]
         outputs: dict[str, Output] = {}
         self.run(outputs, overlap=overlap)
-        return [outputs.get(i, Output()) for i in ids]
+        result = [outputs.get(i, Output()) for i in ids]
+        if any(isinstance(p, str) for p in prompts):
+            for out in result:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return result

@@ -294,3 +294,24 @@ def test_sigterm_drains_then_aborts(tiny_models, timeout):
     last = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]
     assert last["choices"][0]["finish_reason"] == "abort"
     assert s.shm_files() == []
+
+
+def test_llm_generate_text_and_ids_agree_with_transformers(tiny_models):
+    """The offline entry point: text prompts are tokenized, outputs decoded; the tokens are
+    transformers' greedy ones, as for id prompts."""
+    from transformers import AutoTokenizer
+
+    from subway import LLM
+
+    path = tiny_models["llama"]
+    llm = LLM(path=path, num_kv_blocks=64, block_size=4)
+    tok = AutoTokenizer.from_pretrained(path)
+    text = ["Hello there", "The capital of France is"]
+    ids = [tok(t)["input_ids"] for t in text]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    by_text = llm.generate(text, sp)
+    by_ids = llm.generate(ids, sp)
+    for t, i, prompt in zip(by_text, by_ids, ids, strict=True):
+        assert t.token_ids == i.token_ids == hf_greedy(path, prompt, 6).tokens
+        assert t.text == tok.decode(t.token_ids, skip_special_tokens=True)
+        assert i.text is None and t.finish_reason == "length"
