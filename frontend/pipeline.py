@@ -1,4 +1,5 @@
-"""The request pipeline that `/v1/completions` and `/v1/chat/completions` share.
+"""The request pipeline that `/v1/completions` and `/v1/chat/completions` share, and
+their routes (`add_generation_routes`).
 
 One request goes through the same stages whichever the endpoint:
 
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -51,7 +52,7 @@ from subway.frontend.inputs import (
 )
 from subway.frontend.logprobs import chat_logprobs, completion_logprobs, extend
 from subway.frontend.metrics import Metrics
-from subway.frontend.middleware import AccessRecord
+from subway.frontend.middleware import AccessRecord, access_record
 from subway.frontend.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -388,3 +389,15 @@ class API:
 
 CHAT = API(ChatCompletionRequest, "chatcmpl", chat_job, ChatView)
 COMPLETIONS = API(CompletionRequest, "cmpl", completion_job, CompletionView)
+
+
+def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """`/v1/completions` and `/v1/chat/completions`, both through `serve`."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(ctx, COMPLETIONS, request, access_record())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(ctx, CHAT, request, access_record())

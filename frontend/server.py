@@ -6,8 +6,8 @@ native ZMQ endpoint) in its lifespan, so their sockets live on the server's
 event loop. `GuardMiddleware` wraps it all (API key, size limits, access log).
 `run_frontend` is the process main.
 
-Routes: `/v1/completions` and `/v1/chat/completions` (both through
-`pipeline.serve`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
+Routes: `/v1/completions` and `/v1/chat/completions` (added by
+`pipeline.add_generation_routes`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
 `/health`, `/metrics`.
 """
 
@@ -34,9 +34,8 @@ from subway.frontend.middleware import (
     MAX_BODY_BYTES,
     MAX_HEADER_BYTES,
     GuardMiddleware,
-    access_record,
 )
-from subway.frontend.pipeline import CHAT, COMPLETIONS, ServingContext, serve
+from subway.frontend.pipeline import ServingContext, add_generation_routes
 from subway.frontend.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -137,13 +136,7 @@ def build_app(
         max_len = info.max_model_len if info else None
         return ModelList(data=[ModelCard(id=config.model.served_model_name, max_model_len=max_len)])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(ctx, COMPLETIONS, request, access_record())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(ctx, CHAT, request, access_record())
+    add_generation_routes(app, ctx)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
