@@ -1,13 +1,18 @@
 """The CPU kernels in `kernels/csrc/`, compiled on first use with torch's C++ extension builder.
 
 The build is cached (under ~/.cache/subway/ext, or $SUBWAY_CACHE/ext) and compiled
-for the machine it runs on. Where there is no compiler `load()` returns None and
+for the machine it runs on. torch guards a build with a lock file that a
+killed build leaves behind, and every later load would wait for it forever;
+so a load first takes an `flock` of its own (the kernel drops it when its
+holder dies), and under it any torch lock file left in the folder is stale. Where there is no compiler `load()` returns None and
 callers keep the plain PyTorch reference. Whether a model uses them at all is
 `ModelConfig.cpu_ext` (`--no-cpu-ext`), read once by `dispatch.choose_kernels`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -39,14 +44,19 @@ def load():
             from torch.utils import cpp_extension
 
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
-            module = cpp_extension.load(
-                name="subway_cpu_kernels",
-                sources=[os.path.join(csrc, f) for f in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=_build_dir(),
-                verbose=False,
-            )
+            build = _build_dir()
+            with open(os.path.join(build, "subway.flock"), "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)  # another process's build: wait for it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(build, "lock"))  # torch's, from a killed build
+                module = cpp_extension.load(
+                    name="subway_cpu_kernels",
+                    sources=[os.path.join(csrc, f) for f in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build,
+                    verbose=False,
+                )
         except Exception as e:  # no compiler, no headers: the reference still works
             log.warning("CPU kernels unavailable, using the PyTorch reference: %s", e)
         _state["module"] = module

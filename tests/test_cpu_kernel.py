@@ -155,3 +155,22 @@ def test_rope_write_kv_matches_reference(dtype):
     write_kv(want_k, v, kc2, vc2, slots)
     assert torch.equal(got_q, want_q)  # the same roundings in the same order
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_a_killed_build_does_not_hang_later_loads():
+    """torch's build lock file, left by a build killed midway, is stale under our flock:
+    a new process loads the kernels instead of waiting for it forever."""
+    import os
+    import subprocess
+    import sys
+
+    from subway.kernels import cpu_ext
+
+    stale = os.path.join(cpu_ext._build_dir(), "lock")
+    open(stale, "w").close()
+    code = "from subway.kernels import cpu_ext; print(cpu_ext.load() is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert not os.path.exists(stale)

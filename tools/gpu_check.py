@@ -654,7 +654,8 @@ def check_equality(ctx: Ctx, root: str) -> None:
             if ctx.dry and graphs:
                 mode += " (emulated)"
             ok = equal + ties == len(prompts) and ties <= 1 and (replays > 0) == graphs
-            rep.log(f"  {arch} {mode}: {verdicts}; {engine.steps} steps, {replays} replays")
+            steps = engine.scheduler.stats.num_steps_total
+            rep.log(f"  {arch} {mode}: {verdicts}; {steps} steps, {replays} replays")
             rep.row(
                 f"greedy = HF, tiny {arch}, {mode}",
                 "PASS" if ok else "FAIL",

@@ -41,7 +41,6 @@ class StepOutput:
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # on first samples, when asked
 
-
     def to_result(self, step: int, tokens: TokenRef | None = None) -> StepResult:
         """The StepResult of plan `step`; the sampled ids inline unless `tokens` names
         where they are (rank 0's shared buffer)."""
@@ -54,6 +53,7 @@ class StepOutput:
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
         )
+
 
 def resolve_device(name: str, rank: int) -> torch.device:
     if name == "auto":
@@ -71,28 +71,29 @@ class ModelRunner:
         if not config.model.path:
             raise ValueError("no model path: the launcher resolves the default model")
         self.path = config.model.path
-        mc = load_model_arch(self.path)
-        self.model_config = mc
+        arch = load_model_arch(self.path)
         self.device = resolve_device(config.model.device, rank)
-        self.dtype = resolve_dtype(config.model.dtype, mc.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, arch.dtype, self.device)
         self.block_size = config.cache.block_size
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:
-            limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside it
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            limit = min(limit, arch.sliding_window)  # no sliding-window attention: stay inside it
         self.max_model_len = config.model.max_model_len or limit
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = list(mc.eos_token_ids)
+        self.vocab_size = arch.vocab_size
+        self.eos_token_ids = list(arch.eos_token_ids)
         kernels = choose_kernels(config.model.kernels, config.model.cpu_ext, self.device)
-        self.model = CausalLM(mc, self.tp, self.dtype, self.device, self.max_model_len, kernels)
+        self.model = CausalLM(arch, self.tp, self.dtype, self.device, self.max_model_len, kernels)
         load_weights(self.model, self.path)
         self.model.eval()
         if self.device.type == "cpu" and config.model.pack_weights:
-            self.model.pack_weights(config.scheduler.max_num_seqs)  # oneDNN layout: see layers.pack_weight
+            self.model.pack_weights(
+                config.scheduler.max_num_seqs
+            )  # oneDNN layout: see layers.pack_weight
         attn = self.model.layers[0].self_attn.qkv
-        self._kv_shape = (mc.num_layers, attn.num_kv_heads, mc.head_dim)
+        self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(
-            mc.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, mc.head_dim,
+            arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
         self.sampler = Sampler(self.device, config.model.seed)
