@@ -1,14 +1,19 @@
 """Prometheus metrics, named like vLLM's with a `subway:` prefix so dashboards adapt by a rename.
 
-Engine-wide gauges come from the scheduler's `EngineStats`; per-request
-latencies are observed here, in the frontend, where a client sees them. Each
-app gets its own registry: no global state.
+Engine-wide figures are read at scrape time from the latest `EngineStats` the
+scheduler sent (`observe_stats`), gauges and running totals alike: the
+scheduler's `SchedulerStats` is the one place they are kept. Per-request
+latencies and token counts are observed here, in the frontend, where a client
+sees them. Each app gets its own registry: no global state.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from subway.ipc.messages import EngineStats
 
@@ -16,6 +21,52 @@ LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
+
+# (name, help, value): the engine's gauges and counters, straight from its EngineStats.
+ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    ("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
+     lambda s: s.kv_blocks_used / max(1, s.kv_blocks_total)),
+    ("batch_size", "Sequences in the last step.", lambda s: s.batch_size),
+    ("kv_blocks_free", "KV blocks free (cached ones included).", lambda s: s.kv_blocks_free),
+    ("scheduler_last_step_seconds", "Scheduler time for the last plan.",
+     lambda s: s.scheduler_time),
+    ("worker_idle_last_step_seconds", "Worker wait for the last plan.",
+     lambda s: s.worker_idle_time),
+)  # fmt: skip
+ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_preemptions", "Preemptions by recompute.", lambda s: s.num_preempted_total),
+    ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+     lambda s: s.prefix_cache_hits_total),
+    ("prefix_cache_queries", "Prompt tokens looked up.", lambda s: s.prefix_cache_queries_total),
+    ("num_steps", "Model steps run.", lambda s: s.num_steps_total),
+    ("worker_busy_seconds", "Seconds rank 0 spent running steps.",
+     lambda s: s.worker_busy_time_total),
+    ("worker_idle_seconds", "Seconds rank 0 waited for a plan between steps.",
+     lambda s: s.worker_idle_time_total),
+    ("scheduler_seconds", "Seconds the scheduler spent planning.",
+     lambda s: s.scheduler_time_total),
+)  # fmt: skip
+
+
+class _EngineCollector:
+    """The engine's figures at scrape time, from the latest EngineStats (zeros before any)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = EngineStats()
+
+    def collect(self) -> Iterator[Metric]:
+        s, labels = self.stats, [self.model_name]
+        for name, doc, value in ENGINE_GAUGES:
+            g = GaugeMetricFamily(f"subway:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, value(s))
+            yield g
+        for name, doc, value in ENGINE_COUNTERS:
+            c = CounterMetricFamily(f"subway:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value(s))
+            yield c
 
 
 class Metrics:
@@ -25,9 +76,8 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"subway:{name}", doc, label, registry=r)
+        self._engine = _EngineCollector(model_name)
+        r.register(self._engine)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"subway:{name}", doc, label + list(extra), registry=r)
@@ -35,33 +85,11 @@ class Metrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(f"subway:{name}", doc, label, buckets=LATENCY_BUCKETS, registry=r)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge(
-            "kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1)."
-        )
-        self.batch_size = gauge("batch_size", "Sequences in the last step.")
-        self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free (cached ones included).")
-        self.scheduler_time = gauge(
-            "scheduler_last_step_seconds", "Scheduler time for the last plan."
-        )
-        self.worker_idle = gauge("worker_idle_last_step_seconds", "Worker wait for the last plan.")
-        self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
-        self.prefix_hits = counter(
-            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
-        )
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of ended requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
         )
-        self.steps = counter("num_steps", "Model steps run.")
-        self.worker_busy = counter("worker_busy_seconds", "Seconds rank 0 spent running steps.")
-        self.worker_idle_total = counter(
-            "worker_idle_seconds", "Seconds rank 0 waited for a plan between steps."
-        )
-        self.scheduler_busy = counter("scheduler_seconds", "Seconds the scheduler spent planning.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
@@ -69,47 +97,16 @@ class Metrics:
             "request_queue_time_seconds", "Time from arrival to the first scheduled step."
         )
         for metric in (
-            self.running, self.waiting, self.kv_usage, self.batch_size, self.kv_blocks_free,
-            self.scheduler_time, self.worker_idle, self.preemptions, self.prefix_hits,
-            self.prefix_queries, self.prompt_tokens, self.generation_tokens,
-            self.ttft, self.itl, self.e2e, self.queue_time, self.steps, self.worker_busy,
-            self.worker_idle_total, self.scheduler_busy,
+            self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+            self.queue_time,
         ):  # fmt: skip
             metric.labels(model_name)  # every series exists from the start, at 0
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
-        # Engine totals arrive as running totals; counters take the increase.
-        self._seen_preemptions = 0
-        self._seen_hits = 0
-        self._seen_queries = 0
-        self._seen_steps = 0
-        self._seen_busy = 0.0
-        self._seen_idle = 0.0
-        self._seen_sched = 0.0
 
     def observe_stats(self, s: EngineStats) -> None:
-        m = self.model_name
-        self.running.labels(m).set(s.num_running)
-        self.waiting.labels(m).set(s.num_waiting)
-        total = max(1, s.kv_blocks_total)
-        self.kv_usage.labels(m).set(s.kv_blocks_used / total)
-        self.kv_blocks_free.labels(m).set(s.kv_blocks_free)
-        self.batch_size.labels(m).set(s.batch_size)
-        self.scheduler_time.labels(m).set(s.scheduler_time)
-        self.worker_idle.labels(m).set(s.worker_idle_time)
-        for total_now, attr, counter in (
-            (s.num_preempted_total, "_seen_preemptions", self.preemptions),
-            (s.prefix_cache_hits_total, "_seen_hits", self.prefix_hits),
-            (s.prefix_cache_queries_total, "_seen_queries", self.prefix_queries),
-            (s.num_steps_total, "_seen_steps", self.steps),
-            (s.worker_busy_time_total, "_seen_busy", self.worker_busy),
-            (s.worker_idle_time_total, "_seen_idle", self.worker_idle_total),
-            (s.scheduler_time_total, "_seen_sched", self.scheduler_busy),
-        ):
-            seen = getattr(self, attr)
-            if total_now > seen:
-                counter.labels(m).inc(total_now - seen)
-                setattr(self, attr, total_now)
+        """The scheduler's latest figures, exported as they are at the next scrape."""
+        self._engine.stats = s
 
     def observe_first_token(self, ttft: float, queue_time: float | None = None) -> None:
         m = self.model_name

@@ -59,7 +59,7 @@ class Scheduler:
         self.running: list[Request] = []  # may hold non-running entries until compacted
         self._running_dirty = False
         self._num_running = 0
-        self._requests: dict[int, Request] = {}  # by seq_id: live (waiting or running)
+        self.by_seq: dict[int, Request] = {}  # live requests (waiting or running) by seq_id
         self._by_id: dict[str, Request] = {}  # the same, by request id
         self._next_seq_id = 0
         self.inflight_steps: deque[int] = deque()  # steps planned, result not yet settled
@@ -111,13 +111,6 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         return self._by_id.get(request_id)
 
-    def lookup(self, seq_id: int) -> Request | None:
-        return self._requests.get(seq_id)
-
-    def requests(self) -> list[Request]:
-        """Every live request (waiting or running)."""
-        return list(self._requests.values())
-
     def engine_stats(self) -> EngineStats:
         return self.stats.snapshot(self._num_running, len(self.waiting), self.block_manager)
 
@@ -163,7 +156,7 @@ class Scheduler:
             length=n,
         )
         self._next_seq_id += 1
-        self._requests[req.seq_id] = req
+        self.by_seq[req.seq_id] = req
         self._by_id[msg.request_id] = req
         self.enqueue(req)
 
@@ -258,7 +251,7 @@ class Scheduler:
                 req.preempted = False
                 self.stats.num_preempted_waiting -= 1
         req.status = _FINISHED
-        del self._requests[req.seq_id]
+        del self.by_seq[req.seq_id]
         del self._by_id[req.request_id]
         if req.sent:
             self.finished_ids.append(req.seq_id)

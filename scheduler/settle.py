@@ -32,7 +32,7 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
     stats.worker_busy_total += result.forward_time
     stats.worker_idle_total += result.idle_time
     deltas = sched.pop_pending_deltas()
-    get = sched.lookup
+    get = sched.by_seq.get
     append = deltas.append
     extras = result.logprobs is not None or result.prompt_logprobs is not None
     i = -1

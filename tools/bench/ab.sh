@@ -37,5 +37,5 @@ for side in base this; do
   echo "== scheduler cost per step: $side"
   (cd /tmp && "$py" -m "$(mod "$py" bench_scheduler)" --sizes 64 256 --steps 600 --repeat 2)
   echo "== offline run: $side"
-  (cd /tmp && "$py" -m "$(mod "$py" profile_run)" | head -3)
+  (cd /tmp && "$py" -m "$(mod "$py" profile_run)")
 done
