@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m subway.frontend")
     parser.add_argument("--config-json", required=True, help="an EngineConfig as JSON")
     args = parser.parse_args(argv)
-    return run_frontend(EngineConfig.from_json(args.config_json))
+    return run_frontend(EngineConfig.from_json_arg(args.config_json))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -97,7 +98,9 @@ class ServerConfig:
 
     host: str = opt("127.0.0.1", "HTTP address")
     port: int = opt(8000, "HTTP port")
-    api_key: str = opt("", "require this bearer token")
+    api_key: str = opt("", "require this bearer token (visible in ps: prefer the file or "
+                       "SUBWAY_API_KEY)")  # fmt: skip
+    api_key_file: str = opt("", "read the API key from this file (mode 0600)")
     max_waiting: int = opt(0, "requests waiting at most before 503; 0: unbounded")
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
@@ -167,6 +170,12 @@ class EngineConfig:
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json_arg(cls, arg: str) -> EngineConfig:
+        """`--config-json`'s value: the JSON itself, or "-" to read it from standard input
+        (how the launcher hands it over, so that no secret shows on a command line)."""
+        return cls.from_json(sys.stdin.read() if arg == "-" else arg)
 
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:

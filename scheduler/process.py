@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return run_scheduler(EngineConfig.from_json(args.config_json))
+    return run_scheduler(EngineConfig.from_json_arg(args.config_json))
 
 
 if __name__ == "__main__":

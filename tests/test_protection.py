@@ -72,6 +72,45 @@ def idle_within(http: httpx.Client, seconds: float) -> bool:
         time.sleep(0.02)
 
 
+# ---------------------------------------------------------------- secrets
+
+
+def test_the_key_is_on_no_child_command_line(server):
+    """The launcher hands each process its config on standard input, not in argv: `ps`
+    shows no key (the launcher's own argv has it only because this test passed --api-key)."""
+    kids = server.children()
+    assert len(kids) >= 3
+    for kid in kids:
+        assert KEY not in " ".join(kid.cmdline()), kid.cmdline()
+        assert "SUBWAY_API_KEY" not in kid.environ()
+
+
+def _key_file(tmp_path, mode: int) -> str:
+    path = tmp_path / "key"
+    path.write_text("file-key\n")
+    os.chmod(path, mode)
+    return str(path)
+
+
+def test_the_key_from_a_file_or_the_environment(tiny_models, tmp_path, monkeypatch):
+    for flags, env in ((["--api-key-file", _key_file(tmp_path, 0o600)], None), ([], "file-key")):
+        if env is not None:
+            monkeypatch.setenv("SUBWAY_API_KEY", env)
+        s = Server(tiny_models["llama"], "--served-model-name", MODEL, *flags)
+        try:
+            assert httpx.get(s.url + "/v1/models").status_code == 401
+            ok = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer file-key"})
+            assert ok.status_code == 200
+            assert all("file-key" not in " ".join(k.cmdline()) for k in s.children())
+        finally:
+            s.stop()
+
+
+def test_a_key_file_others_can_read_is_refused(tiny_models, tmp_path):
+    with pytest.raises(RuntimeError, match="readable by others"):
+        Server(tiny_models["llama"], "--api-key-file", _key_file(tmp_path, 0o644))
+
+
 # ---------------------------------------------------------------- the door
 
 

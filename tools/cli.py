@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import stat
 import sys
 
 from subway.ipc.config import EngineConfig, field_owners
@@ -47,8 +49,28 @@ _TYPES = {"int": int, "float": float, "str": str}  # the fields' annotations, as
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
     if a.config_json:
-        return EngineConfig.from_json(a.config_json)
-    return EngineConfig.build(**{name: getattr(a, name) for name in field_owners()})
+        return EngineConfig.from_json_arg(a.config_json)
+    return resolve_secrets(
+        EngineConfig.build(**{name: getattr(a, name) for name in field_owners()})
+    )
+
+
+def resolve_secrets(config: EngineConfig) -> EngineConfig:
+    """The API key from `--api-key-file` (refused unless only its owner can read it) or,
+    failing `--api-key`, from `SUBWAY_API_KEY`."""
+    server = config.server
+    if server.api_key_file:
+        mode = os.stat(server.api_key_file).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SystemExit(
+                f"subway: {server.api_key_file} is readable by others (mode {mode & 0o777:o}); "
+                "chmod 600 it"
+            )
+        with open(server.api_key_file) as f:
+            return config.replace(api_key=f.read().strip())
+    if not server.api_key and os.environ.get("SUBWAY_API_KEY"):
+        return config.replace(api_key=os.environ["SUBWAY_API_KEY"])
+    return config
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:

@@ -1,6 +1,7 @@
 """`subway serve`: start the scheduler, the workers and the frontend on this host, supervise them.
 
-Each process is a fresh interpreter (`python -m subway.tools.cli <kind> --config-json ...`),
+Each process is a fresh interpreter (`python -m subway.tools.cli <kind> --config-json -`,
+the config as JSON on its standard input),
 so nothing is inherited by fork and nothing crosses a boundary as pickle. If any
 process dies, the others are stopped, shared memory is unlinked and `serve`
 exits non-zero. Ctrl-C or SIGTERM stops the frontend first (it drains), then the
@@ -25,10 +26,19 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def _spawn(kind: str, config: EngineConfig, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "subway.tools.cli", kind, "--config-json", config.to_json()]
+    """The config goes through the child's standard input, so that no secret in it (the
+    API key) shows on a command line."""
+    cmd = [sys.executable, "-m", "subway.tools.cli", kind, "--config-json", "-"]
     env = dict(os.environ, SUBWAY_PARENT_PID=str(os.getpid()))
+    env.pop("SUBWAY_API_KEY", None)  # resolved into the config already
     # A session of its own: Ctrl-C reaches only the launcher, which stops the rest in order.
-    return subprocess.Popen([*cmd, *extra], env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [*cmd, *extra], env=env, start_new_session=True, stdin=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(config.to_json())
+    proc.stdin.close()
+    return proc
 
 
 def die_with_parent() -> None:
@@ -66,7 +76,9 @@ def remove_leftovers(config: EngineConfig) -> list[str]:
 
 def _health(config: EngineConfig) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{config.server.host}:{config.server.port}/health", timeout=2) as r:
+        with urllib.request.urlopen(
+            f"http://{config.server.host}:{config.server.port}/health", timeout=2
+        ) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -85,7 +97,9 @@ def demo_request(config: EngineConfig) -> str:
     if config.server.api_key:
         headers["Authorization"] = f"Bearer {config.server.api_key}"
     req = urllib.request.Request(
-        f"http://{config.server.host}:{config.server.port}/v1/chat/completions", data=body, headers=headers
+        f"http://{config.server.host}:{config.server.port}/v1/chat/completions",
+        data=body,
+        headers=headers,
     )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["choices"][0]["message"]["content"]
@@ -138,7 +152,9 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 url = f"http://{config.server.host}:{config.server.port}"
                 print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
                 if config.server.client_addr != "off":
-                    zmq_addr = config.server.client_addr or f"ipc://{config.ipc.run_dir}/client.sock"
+                    zmq_addr = (
+                        config.server.client_addr or f"ipc://{config.ipc.run_dir}/client.sock"
+                    )
                     print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
                 if demo:
                     print(f"subway: demo> {DEMO_PROMPT}", flush=True)
