@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from subway.frontend.errors import public_reason
 from subway.frontend.prompt_ring import PromptRing
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
@@ -206,8 +207,8 @@ class SchedulerLink:
             self.error = None
             log.info("engine ready: %s", msg)
         elif isinstance(msg, EngineError):
-            self.error = msg.message or "engine error"
-            log.error("engine error: %s", self.error)
+            log.error("engine error: %s", msg.message)
+            self.error = public_reason(msg.message)  # /health and error bodies show this
             self.on_lost(EngineDeadError(f"engine error: {self.error}"))
 
     async def _read_loop(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -60,3 +62,14 @@ def from_validation_error(e: ValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {message}")
     return APIError(400, f"{loc}: {message}" if loc else message, param=loc or None)
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}")
+
+
+def public_reason(text: str, limit: int = 200) -> str:
+    """What a client may see of an internal failure: its first line, without file paths,
+    at most `limit` characters. The logs keep the whole text."""
+    lines = text.strip().splitlines()
+    line = _PATH.sub("<path>", lines[0]) if lines else "engine error"
+    return line[:limit]

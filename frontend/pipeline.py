@@ -25,6 +25,7 @@ generated token (`Job.no_output`).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ from subway.frontend.protocol import (
     Usage,
 )
 from subway.ipc.config import EngineConfig
+
+log = logging.getLogger("subway.frontend")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -158,7 +161,8 @@ def engine_failure(e: Exception) -> APIError:
         return APIError(503, f"the engine cannot serve: {e}")
     if isinstance(e, GenerationError):
         return APIError(500, str(e))
-    return APIError(500, f"internal error: {e!r}")
+    log.error("request failed: %r", e)
+    return APIError(500, f"internal error: {type(e).__name__}")
 
 
 def sse(body: BaseModel) -> str:

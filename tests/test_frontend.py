@@ -642,6 +642,28 @@ def test_engine_failure_mid_request_then_recovery(frontend):
         _fast(fake)
 
 
+def test_health_and_errors_show_no_traceback_or_path(frontend):
+    """An engine error with a traceback and file paths: /health and the error bodies give
+    its first line, paths masked; the frontend's log keeps the rest."""
+    fake = frontend.fake
+    leak = (
+        "worker 0: FileNotFoundError: [Errno 2] No such file: '/srv/secret/weights.bin'\n"
+        "Traceback (most recent call last):\n"
+        '  File "/work/main/worker/runner.py", line 212, in execute'
+    )
+    with frontend.client() as c:
+        try:
+            fake.send_error(leak)
+            assert fake.wait_for(lambda: c.get("/health").status_code == 503)
+            bodies = [c.get("/health").text, c.post("/v1/completions", json={"prompt": "hi"}).text]
+            for text in bodies:
+                assert "FileNotFoundError" in text, text
+                assert "Traceback" not in text and "/srv/" not in text and "/work/" not in text
+        finally:
+            fake.send_ready()
+            assert fake.wait_for(lambda: c.get("/health").status_code == 200)
+
+
 def test_health_fails_when_the_scheduler_goes_silent(frontend):
     fake = frontend.fake
     with frontend.client() as c:

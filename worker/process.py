@@ -77,7 +77,10 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         world = config.parallel.tensor_parallel_size
         if world > 1:
             init_distributed(
-                world, rank, config.parallel.dist_init_addr, resolve_device(config.model.device, rank)
+                world,
+                rank,
+                config.parallel.dist_init_addr,
+                resolve_device(config.model.device, rank),
             )
         runner = ModelRunner(config, rank, world)
         if rank == 0 and config.ipc.use_shm:
@@ -126,7 +129,8 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 last_sent = time.perf_counter()
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the scheduler, then exit 1
-        message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        traceback.print_exc()  # the whole story stays in this process's log
+        message = f"{type(e).__name__}: {e}"
         try:
             push.send(codec_out.encode(WorkerError(rank=rank, message=message)), zmq.NOBLOCK)
         except zmq.ZMQError:
