@@ -100,11 +100,34 @@ def check_model(req: BaseModel, config: EngineConfig) -> None:
         raise APIError(404, f"the model `{req.model}` does not exist", "model")
 
 
+# Arguments of apply_chat_template that the server sets itself.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
+     "documents", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 def check_request(req: SamplingRequest, config: EngineConfig) -> None:
-    """What the HTTP endpoints refuse first: another model, a completion's `suffix`."""
+    """What the HTTP endpoints refuse first: another model, a completion's `suffix`, a chat
+    template from the request (unless --trust-request-chat-template: a template is code)."""
     check_model(req, config)
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
+    if isinstance(req, ChatCompletionRequest):
+        kwargs = req.chat_template_kwargs or {}
+        if (req.chat_template is not None or "chat_template" in kwargs) and not (
+            config.server.trust_request_chat_template
+        ):
+            raise APIError(
+                400,
+                "this server takes no chat template from a request "
+                "(start it with --trust-request-chat-template to allow one)",
+                "chat_template",
+            )
+        reserved = sorted(_RESERVED_TEMPLATE_ARGS.intersection(kwargs))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}",
+                           "chat_template_kwargs")  # fmt: skip
 
 
 def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
@@ -190,6 +213,7 @@ def chat_prompt(
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             tokenize=False,
+            **({"chat_template": req.chat_template} if req.chat_template is not None else {}),
             **(req.chat_template_kwargs or {}),
         )
     except Exception as e:  # jinja errors, a tokenizer without a template, ...

@@ -104,6 +104,9 @@ class ServerConfig:
     max_waiting: int = opt(0, "requests waiting at most before 503; 0: unbounded")
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
+    trust_request_chat_template: bool = opt(
+        False, "accept a chat template from a request (it is code the server runs)"
+    )
     client_addr: str = opt("", 'native ZMQ client endpoint (default ipc://RUN_DIR/client.sock); '
                            '"off": none')  # fmt: skip
 

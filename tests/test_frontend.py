@@ -548,6 +548,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": "true"}),
+    # A chat template is code: not from a request, unless the server trusts requests.
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 'x' }}"}),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}),
     ("/v1/chat/completions", {}),
     ("/v1/chat/completions", {"messages": []}),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
@@ -761,3 +768,18 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
         assert not os.path.exists(f"/dev/shm/{config.ipc.prompt_shm_name}")
     finally:
         fake.stop()
+
+
+def test_a_trusting_server_renders_the_request_template(tokenizer):
+    from subway.frontend.errors import APIError
+    from subway.frontend.inputs import Limits, chat_prompt, check_request
+    from subway.frontend.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(
+        messages=CHAT, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    )
+    with pytest.raises(APIError) as e:
+        check_request(req, EngineConfig.build())
+    assert e.value.status == 400 and "--trust-request-chat-template" in str(e.value)
+    check_request(req, EngineConfig.build(trust_request_chat_template=True))
+    assert chat_prompt(req, tokenizer, Limits(512, 100000)).text == "hi|"
