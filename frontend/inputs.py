@@ -130,6 +130,21 @@ def check_request(req: SamplingRequest, config: EngineConfig) -> None:
                            "chat_template_kwargs")  # fmt: skip
 
 
+CLIENT_SCHEDULING = ("priority", "slo_ttft_ms", "slo_class")
+IGNORED_HEADER = "X-Subway-Ignored-Fields"
+
+
+def client_scheduling(req: R, config: EngineConfig) -> tuple[R, list[str]]:
+    """The request as the scheduler will see it: its `priority`, `slo_ttft_ms` and
+    `slo_class` only if the server honours them (--allow-client-priority), else the
+    defaults; and the names of the fields it gave that were dropped."""
+    given = [f for f in CLIENT_SCHEDULING if f in req.model_fields_set]
+    if config.server.allow_client_priority or not given:
+        return req, []
+    defaults = {f: type(req).model_fields[f].default for f in given}
+    return req.model_copy(update=defaults), given
+
+
 def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
     prompt = chat_prompt(req, tokenizer, limits)
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids), limits, None)

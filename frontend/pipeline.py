@@ -44,10 +44,12 @@ from subway.frontend.choices import (
 from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
 from subway.frontend.errors import APIError
 from subway.frontend.inputs import (
+    IGNORED_HEADER,
     Job,
     Limits,
     chat_job,
     check_request,
+    client_scheduling,
     completion_job,
     parse,
 )
@@ -107,19 +109,21 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     """One HTTP request of `api`, start to end; `record` is its access-log record."""
     req = parse(api.request, await request.body())
     check_request(req, ctx.config)
+    req, ignored = client_scheduling(req, ctx.config)
+    headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else None
     request_id = new_id(api.id_prefix)
     job = api.prepare(req, ctx.tokenizer, ctx.limits())
     group = admit(ctx, req, request_id, job, record, request)
     view = api.view(req, job, request_id, ctx.config.model.served_model_name, ctx.tokenizer)
     if req.stream:
-        return StreamingResponse(_sse(view, group), media_type="text/event-stream")
+        return StreamingResponse(_sse(view, group), media_type="text/event-stream", headers=headers)
     try:
         body = await view.whole(group)
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:
         raise engine_failure(e) from e
-    return JSONResponse(body.model_dump())
+    return JSONResponse(body.model_dump(), headers=headers)
 
 
 def admit(

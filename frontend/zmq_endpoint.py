@@ -32,7 +32,7 @@ from subway.client.protocol import (
 )
 from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.inputs import completion_job
+from subway.frontend.inputs import client_scheduling, completion_job
 from subway.frontend.logprobs import native_logprobs
 from subway.frontend.middleware import AccessRecord, access_log, log_access
 from subway.frontend.pipeline import ServingContext, admit, engine_failure, new_id
@@ -163,6 +163,7 @@ class ClientEndpoint:
             raise from_validation_error(e) from e
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             raise APIError(400, "one prompt per request", "prompt")
+        req, _ = client_scheduling(req, ctx.config)  # no headers here: dropped quietly
         job = completion_job(req, ctx.tokenizer, ctx.limits())  # echo is ignored: it runs
         return admit(ctx, req, new_id("zmq"), job, record)
 

@@ -104,6 +104,9 @@ class ServerConfig:
     max_waiting: int = opt(0, "requests waiting at most before 503; 0: unbounded")
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
+    allow_client_priority: bool = opt(
+        False, "honour a request's priority, slo_ttft_ms and slo_class (else ignored)"
+    )
     trust_request_chat_template: bool = opt(
         False, "accept a chat template from a request (it is code the server runs)"
     )

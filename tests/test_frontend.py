@@ -682,6 +682,21 @@ def test_health_fails_when_the_scheduler_goes_silent(frontend):
         assert fake.wait_for(lambda: c.get("/health").status_code == 200)
 
 
+def test_client_priority_is_ignored_unless_the_server_allows_it(frontend):
+    """A request's priority and SLO fields reach the scheduler only with
+    --allow-client-priority; otherwise they are dropped, and a header says which."""
+    fake = frontend.fake
+    with frontend.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "priority": -5, "slo_class": "batch"})
+        assert r.status_code == 200
+        assert r.headers["x-subway-ignored-fields"] == "priority, slo_class"
+        rid = r.json()["id"] + "-0"  # its one choice's engine request
+        (add,) = [a for a in fake.adds if a.request_id == rid]
+        assert (add.priority, add.slo_class, add.slo_ttft_ms) == (0, "interactive", None)
+        plain = c.post("/v1/completions", json={"prompt": "hi"})
+        assert "x-subway-ignored-fields" not in plain.headers
+
+
 def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
     """Runs last: it stops the frontend."""
     refs = [a.prompt for a in frontend.fake.adds]
@@ -783,3 +798,14 @@ def test_a_trusting_server_renders_the_request_template(tokenizer):
     assert e.value.status == 400 and "--trust-request-chat-template" in str(e.value)
     check_request(req, EngineConfig.build(trust_request_chat_template=True))
     assert chat_prompt(req, tokenizer, Limits(512, 100000)).text == "hi|"
+
+
+def test_client_priority_is_kept_when_allowed():
+    from subway.frontend.inputs import client_scheduling
+    from subway.frontend.protocol import CompletionRequest
+
+    req = CompletionRequest(prompt="hi", priority=3, slo_ttft_ms=50.0)
+    kept, dropped = client_scheduling(req, EngineConfig.build(allow_client_priority=True))
+    assert kept is req and dropped == []
+    gone, dropped = client_scheduling(req, EngineConfig.build())
+    assert (gone.priority, gone.slo_ttft_ms) == (0, None) and dropped == ["priority", "slo_ttft_ms"]

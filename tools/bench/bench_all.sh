@@ -13,10 +13,11 @@ python -m subway.tools.bench.compare --skip static,hf,cb --out docs/bench/compar
   2>&1 | tee docs/bench/compare_repeat.log
 
 p1=18101; p2=18102
-subway serve --port $p1 --dtype bfloat16 --threads 2 --max-model-len 2048 \
+subway serve --port $p1 --dtype bfloat16 --threads 2 --max-model-len 2048 --allow-client-priority \
   --dist-init-addr 127.0.0.1:18111 > /tmp/sweep-cb.log 2>&1 &
 s1=$!
 subway serve --port $p2 --dtype bfloat16 --threads 2 --max-model-len 2048 --policy static \
+  --allow-client-priority \
   --static-batch-window-ms 500 --dist-init-addr 127.0.0.1:18112 > /tmp/sweep-static.log 2>&1 &
 s2=$!
 trap 'kill $s1 $s2 2>/dev/null; wait' EXIT

@@ -80,6 +80,7 @@ def subway_server(label: str, flags: list[str], threads: int) -> Iterator[str]:
     """A `subway serve` on a free port for the duration of the block; yields its URL."""
     port = _free_port()
     cmd = [sys.executable, "-m", "subway.tools.cli", "serve", "--port", str(port)]
+    cmd += ["--allow-client-priority"]  # the workload's SLO fields reach the scheduler
     cmd += ["--threads", str(threads), "--dist-init-addr", f"127.0.0.1:{_free_port()}", *flags]
     log = open(f"/tmp/subway-bench-{label}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
