@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import zmq
 
 
+def secure_dir(path: str) -> bool:
+    """Make `path` with mode 0700 if it is missing (True: this call made it). One that is
+    there must be a real folder of this user that nobody else may write to; else
+    PermissionError, since another user could put sockets of their own there."""
+    try:
+        os.mkdir(path, 0o700)
+        return True
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} must be a folder of this user that others cannot write to "
+            f"(mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+        )
+    return False
+
+
 def _prepare(addr: str) -> None:
     if addr.startswith("ipc://"):
-        os.makedirs(os.path.dirname(addr[len("ipc://") :]) or ".", exist_ok=True)
+        secure_dir(os.path.dirname(addr[len("ipc://") :]) or ".")
 
 
 def bind(ctx: zmq.Context, kind: int, addr: str, **opts: int) -> zmq.Socket:

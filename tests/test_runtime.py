@@ -315,3 +315,29 @@ def test_llm_generate_text_and_ids_agree_with_transformers(tiny_models):
         assert t.token_ids == i.token_ids == hf_greedy(path, prompt, 6).tokens
         assert t.text == tok.decode(t.token_ids, skip_special_tokens=True)
         assert i.text is None and t.finish_reason == "length"
+
+
+def test_run_folders_are_private_and_a_named_one_is_never_deleted(tiny_models, tmp_path):
+    """The default run folder is made 0700 and removed at the end; a folder the user names
+    keeps everything but our sockets; one that others may write to is refused."""
+    s = Server(tiny_models["llama"])
+    default = f"/tmp/subway-{s.run_id}"
+    try:
+        assert os.stat(default).st_mode & 0o777 == 0o700
+    finally:
+        assert s.stop() == 0
+    assert not os.path.exists(default)
+
+    named = tmp_path / "run"
+    named.mkdir(mode=0o700)
+    (named / "mine.txt").write_text("keep")
+    s = Server(tiny_models["llama"], "--run-dir", str(named))
+    try:
+        assert "client.sock" in os.listdir(named)
+    finally:
+        assert s.stop() == 0
+    assert os.listdir(named) == ["mine.txt"] and (named / "mine.txt").read_text() == "keep"
+
+    os.chmod(named, 0o777)
+    with pytest.raises(RuntimeError, match="refusing the run folder"):
+        Server(tiny_models["llama"], "--run-dir", str(named))

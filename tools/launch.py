@@ -10,9 +10,9 @@ scheduler, which tells the workers to exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 
 from subway.ipc.config import EngineConfig
+from subway.ipc.sockets import cleanup_ipc, secure_dir
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -58,19 +59,22 @@ def shm_names(config: EngineConfig) -> list[str]:
     return [config.ipc.prompt_shm_name, config.ipc.sampled_shm_name]
 
 
-def remove_leftovers(config: EngineConfig) -> list[str]:
-    """Unlink this engine's shared memory and socket folder, whoever left them. Returns what was removed."""
+def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
+    """Unlink this engine's shared memory and socket files, whoever left them, and the run
+    folder if this launcher made it and it is empty: never anything else of a folder the
+    user named. Returns the shared memory that was removed."""
     removed = []
     for name in shm_names(config):
         path = os.path.join("/dev/shm", name)
-        if os.path.exists(path):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    if os.path.isdir(config.ipc.run_dir):
-        shutil.rmtree(config.ipc.run_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    ipc = config.ipc
+    client = config.server.client_addr or f"ipc://{ipc.run_dir}/client.sock"
+    cleanup_ipc(ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr, client)
+    if made_run_dir:
+        with contextlib.suppress(OSError):  # not empty: someone else's files stay
+            os.rmdir(ipc.run_dir)
     return removed
 
 
@@ -123,7 +127,11 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
-    os.makedirs(config.ipc.run_dir, exist_ok=True)
+    try:
+        made_run_dir = secure_dir(config.ipc.run_dir)
+    except PermissionError as e:
+        print(f"subway: refusing the run folder: {e}", file=sys.stderr)
+        return 1
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
@@ -166,7 +174,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             time.sleep(0.2)
     finally:
         _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
-        left = remove_leftovers(config)
+        left = remove_leftovers(config, made_run_dir)
         if left:
             print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
         for s, h in old.items():
