@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from subway.ipc.config import EngineConfig, field_owners, parts
+from subway.ipc.config import EngineConfig, ParallelConfig, field_owners, parts
 from subway.tools.cli import add_engine_args, config_from_args
 
 
@@ -61,3 +61,17 @@ def test_json_round_trip_and_derived_defaults():
     r = c.replace(port=1, block_size=2)
     assert (r.server.port, r.cache.block_size, r.scheduler.overlap) == (1, 2, False)
     assert c.server.port == 8000  # the original is untouched
+
+
+def test_serve_gives_each_engine_its_own_rendezvous_port():
+    from subway.tools.launch import own_rendezvous
+
+    default = ParallelConfig().dist_init_addr
+    one = EngineConfig.build(tensor_parallel_size=1)
+    assert own_rendezvous(one) is one  # no ranks to meet
+    a = own_rendezvous(EngineConfig.build(tensor_parallel_size=2))
+    b = own_rendezvous(EngineConfig.build(tensor_parallel_size=2))
+    assert default not in (a.parallel.dist_init_addr, b.parallel.dist_init_addr)
+    assert a.parallel.dist_init_addr.startswith("127.0.0.1:")
+    mine = EngineConfig.build(tensor_parallel_size=2, dist_init_addr="127.0.0.1:4000")
+    assert own_rendezvous(mine).parallel.dist_init_addr == "127.0.0.1:4000"

@@ -14,13 +14,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
-from subway.ipc.config import EngineConfig
+from subway.ipc.config import EngineConfig, ParallelConfig
 from subway.ipc.sockets import cleanup_ipc, secure_dir
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -126,7 +127,21 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
         p.wait()
 
 
+def own_rendezvous(config: EngineConfig) -> EngineConfig:
+    """The config with a free rendezvous port of its own when tensor parallel ranks meet at
+    the default address: two engines on one host must never meet at the same one."""
+    if config.parallel.tensor_parallel_size <= 1:
+        return config
+    if config.parallel.dist_init_addr != ParallelConfig().dist_init_addr:
+        return config  # the user's choice
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return config.replace(dist_init_addr=f"127.0.0.1:{port}")
+
+
 def serve(config: EngineConfig, demo: bool = False) -> int:
+    config = own_rendezvous(config)
     try:
         made_run_dir = secure_dir(config.ipc.run_dir)
     except PermissionError as e:
