@@ -586,7 +586,9 @@ def test_runner_prompt_logprobs_over_chunks_match_transformers(eos_model):
     from subway.worker.runner import ModelRunner
 
     path = eos_model[0]
-    runner = ModelRunner(EngineConfig.build(path=path, num_kv_blocks=16, use_shm=False, device="cpu"))
+    runner = ModelRunner(
+        EngineConfig.build(path=path, num_kv_blocks=16, use_shm=False, device="cpu")
+    )
     prompt = list(range(300, 340))
     asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     plain = SamplingParams(temperature=0.0, max_tokens=2)

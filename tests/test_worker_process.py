@@ -94,7 +94,9 @@ def test_plans_results_and_shutdown(worker):
 
     config, sched, prompts, proc, ready = worker
     assert (
-        ready.rank == 0 and ready.num_blocks == 64 and ready.sampled_shm == config.ipc.sampled_shm_name
+        ready.rank == 0
+        and ready.num_blocks == 64
+        and ready.sampled_shm == config.ipc.sampled_shm_name
     )
     assert ready.vocab_size > 0 and ready.max_model_len == 2048
     sampled = TokenBuffer.attach(ready.sampled_shm)
