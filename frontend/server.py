@@ -46,7 +46,7 @@ from subway.frontend.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from subway.frontend.zmq_endpoint import ClientEndpoint, client_address
+from subway.frontend.zmq_endpoint import ClientEndpoint
 from subway.ipc.config import EngineConfig
 
 log = logging.getLogger("subway.frontend")
@@ -70,7 +70,7 @@ def build_app(
     metrics = Metrics(config.model.served_model_name)
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)
-    address = client_address(config)
+    address = config.client_address
     endpoint = ClientEndpoint(ctx, address) if address else None
 
     @contextlib.asynccontextmanager

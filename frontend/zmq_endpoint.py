@@ -3,7 +3,7 @@
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
 or JSON. The address is `config.server.client_addr`, by default
-`ipc://{run_dir}/client.sock` ("off": no endpoint). With an API key, each
+`ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`). With an API key, each
 request must carry it. A client that goes away is noticed when an answer
 cannot be routed to it (ROUTER_MANDATORY): its request is then aborted.
 """
@@ -42,13 +42,6 @@ from subway.ipc.sockets import bind, cleanup_ipc
 log = logging.getLogger("subway.frontend")
 
 _IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt", "model")
-
-
-def client_address(config) -> str | None:
-    addr = config.server.client_addr
-    if addr == "off":
-        return None
-    return addr or f"ipc://{config.ipc.run_dir}/client.sock"
 
 
 class ClientEndpoint:

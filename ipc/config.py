@@ -174,6 +174,14 @@ class EngineConfig:
             self, **{p: dataclasses.replace(getattr(self, p), **c) for p, c in changes.items()}
         )
 
+    @property
+    def client_address(self) -> str | None:
+        """The frontend's native ZMQ endpoint, None when it is "off"."""
+        addr = self.server.client_addr
+        if addr == "off":
+            return None
+        return addr or f"ipc://{self.ipc.run_dir}/client.sock"
+
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
 

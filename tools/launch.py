@@ -71,8 +71,9 @@ def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
             os.unlink(path)
             removed.append(path)
     ipc = config.ipc
-    client = config.server.client_addr or f"ipc://{ipc.run_dir}/client.sock"
-    cleanup_ipc(ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr, client)
+    cleanup_ipc(ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr)
+    if config.client_address is not None:
+        cleanup_ipc(config.client_address)
     if made_run_dir:
         with contextlib.suppress(OSError):  # not empty: someone else's files stay
             os.rmdir(ipc.run_dir)
@@ -174,10 +175,8 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 ready = True
                 url = f"http://{config.server.host}:{config.server.port}"
                 print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
-                if config.server.client_addr != "off":
-                    zmq_addr = (
-                        config.server.client_addr or f"ipc://{config.ipc.run_dir}/client.sock"
-                    )
+                if config.client_address is not None:
+                    zmq_addr = config.client_address
                     print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
                 if demo:
                     print(f"subway: demo> {DEMO_PROMPT}", flush=True)
