@@ -14,8 +14,8 @@ Executors:
   offline `LLM`, benchmarks and tests;
 - test doubles (a fake worker that checks every plan, a null one for timing).
 
-An in-process executor runs nothing at `submit`: `collect` runs its oldest
-plan and returns that one result, so an overlapped plan is made exactly as the
+An in-process executor (a `LazyExecutor`) runs nothing at `submit`: `collect`
+runs its oldest plan and returns that one result, so an overlapped plan is made exactly as the
 scheduler process makes it, before the result of the step before.
 """
 
@@ -36,6 +36,23 @@ class Executor(Protocol):
 
     def collect(self) -> list[tuple[StepResult, list[int]]]:
         """Results ready now, oldest first: each with its sampled token ids."""
+
+
+class LazyExecutor:
+    """An executor that runs a plan only when asked for results: `collect` runs the oldest
+    submitted plan and returns its one result. Subclasses give `run(plan)`."""
+
+    def __init__(self) -> None:
+        self.queued: deque[Plan] = deque()
+
+    def submit(self, plan: Plan) -> None:
+        self.queued.append(plan)
+
+    def collect(self) -> list[tuple[StepResult, list[int]]]:
+        return [self.run(self.queued.popleft())] if self.queued else []
+
+    def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
+        raise NotImplementedError
 
 
 class EngineCore:

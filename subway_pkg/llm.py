@@ -18,13 +18,12 @@ model's tokenizer, and each output carries its decoded `text`).
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import AddRequest, Plan, RequestDelta, SamplingParams, StepResult, TokenRef
-from subway.scheduler.engine_core import EngineCore
+from subway.scheduler.engine_core import EngineCore, LazyExecutor
 from subway.scheduler.scheduler import Scheduler
 
 
@@ -44,22 +43,16 @@ class Output:
             self.finish_reason = d.finish_reason
 
 
-class InProcessExecutor:
+class InProcessExecutor(LazyExecutor):
     """Runs plans on a `ModelRunner` in this process, one per `collect` (see `EngineCore`)."""
 
     def __init__(self, runner: Any) -> None:
+        super().__init__()
         self.runner = runner
-        self.queued: deque[Plan] = deque()
 
-    def submit(self, plan: Plan) -> None:
-        self.queued.append(plan)
-
-    def collect(self) -> list[tuple[StepResult, list[int]]]:
-        if not self.queued:
-            return []
-        plan = self.queued.popleft()
+    def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
         out = self.runner.execute(plan)
-        return [(out.to_result(plan.step), out.tokens)]
+        return out.to_result(plan.step), out.tokens
 
 
 class LLM:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import zlib
 from array import array
-from collections import deque
 from collections.abc import Callable
 
 from subway.ipc.messages import Plan, StepResult, TokenRef
+from subway.scheduler.engine_core import LazyExecutor
 
 
 def hash_sampler(vocab: int) -> Callable[[list[int]], int]:
@@ -28,7 +28,7 @@ def hash_sampler(vocab: int) -> Callable[[list[int]], int]:
     return sample
 
 
-class FakeWorker:
+class FakeWorker(LazyExecutor):
     """Applies plans as a worker would, asserting the scheduler's promises."""
 
     def __init__(
@@ -50,8 +50,8 @@ class FakeWorker:
         self.holders: list[set[int]] = [set() for _ in range(num_blocks)]
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self._digests: dict[int, list[int]] = {}
+        super().__init__()
         self.plans: list[Plan] = []
-        self.queued: deque[Plan] = deque()
         self.num_steps = 0
         self.num_tokens_computed = 0  # positions written (prefill and decode), all steps
 
@@ -72,13 +72,6 @@ class FakeWorker:
             self.holders[b].remove(sid)
         self.tables[sid] = []
         self.kv[sid] = 0
-
-    def submit(self, plan: Plan) -> None:
-        self.queued.append(plan)
-
-    def collect(self) -> list[tuple[StepResult, list[int]]]:
-        """Runs the oldest submitted plan (as an in-process executor does)."""
-        return [self.run(self.queued.popleft())] if self.queued else []
 
     def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
         if self.keep_plans:

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 from subway.ipc.messages import Plan, StepResult, TokenRef
+from subway.scheduler.engine_core import LazyExecutor
 
 
-class NullWorker:
+class NullWorker(LazyExecutor):
     """Answers every plan with a fixed token for each sampling sequence."""
 
     def __init__(self, token: int = 7) -> None:
+        super().__init__()
         self.token = token
-        self.queued: deque[Plan] = deque()
-
-    def submit(self, plan: Plan) -> None:
-        self.queued.append(plan)
-
-    def collect(self) -> list[tuple[StepResult, list[int]]]:
-        return [self.run(self.queued.popleft())] if self.queued else []
 
     def run(self, plan: Plan) -> tuple[StepResult, list[int]]:
         ids = [s.seq_id for s in plan.seqs if s.sample]
