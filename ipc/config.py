@@ -81,6 +81,10 @@ class SchedulerConfig:
     policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
     static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")
     overlap: bool = opt(True, "plan step N+1 while N runs", flag="--no-overlap")
+    step_timeout: float = opt(
+        300.0, "seconds one step may take before the workers count as hung and the engine "
+        "stops (no legitimate step of a model this engine serves on a CPU comes near it)"
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class ParallelConfig:
     tensor_parallel_size: int = opt(1, "", alias="-tp")
     dist_init_addr: str = opt("127.0.0.1:29533", "torch.distributed rendezvous host:port")
     threads: int = opt(0, "torch threads per worker; 0: torch's default")
+    collective_timeout: float = opt(
+        300.0, "seconds a tensor-parallel collective may wait for the other ranks"
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,18 @@ class ServerConfig:
     api_key: str = opt("", "require this bearer token (visible in ps: prefer the file or "
                        "SUBWAY_API_KEY)")  # fmt: skip
     api_key_file: str = opt("", "read the API key from this file (mode 0600)")
-    max_waiting: int = opt(0, "requests waiting at most before 503; 0: unbounded")
+    max_waiting: int = opt(1024, "sequences waiting at most; more get 429 with Retry-After")
+    max_queued_tokens: int = opt(
+        1 << 21, "prompt tokens waiting at most; more get 429 with Retry-After"
+    )
+    max_seqs_per_request: int = opt(64, "prompts x n of one request at most")
+    default_max_tokens: int = opt(
+        2048, "max_tokens of a chat request that names none (capped by the context)"
+    )
+    header_timeout: float = opt(10.0, "seconds a client has to send its request's headers")
+    body_timeout: float = opt(30.0, "seconds a client has to send its request's body")
+    max_connections: int = opt(2048, "open HTTP connections at most; more are refused")
+    template_timeout: float = opt(10.0, "seconds a chat template and tokenization may take")
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
     allow_client_priority: bool = opt(
@@ -126,6 +144,10 @@ class IpcConfig:
     result_addr: str = opt("", "workers -> scheduler (scheduler binds PULL)")
     use_shm: bool = opt(True, "token ids through shared memory (one host)", flag="--no-shm")
     prompt_shm_tokens: int = opt(1 << 22, "capacity of the prompt buffer, in tokens")
+    curve_key_file: str = opt(
+        "", "CurveZMQ key file (mode 0600) for tcp:// sockets; serve makes one per run"
+    )
+    max_message_bytes: int = opt(64 << 20, "largest ZeroMQ message any socket accepts")
 
     def __post_init__(self) -> None:
         if not self.run_id:
