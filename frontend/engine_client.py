@@ -53,7 +53,7 @@ from subway.ipc.messages import (
     ToFrontend,
     ToScheduler,
 )
-from subway.ipc.sockets import bind, cleanup_ipc, connect
+from subway.ipc.sockets import Sockets, cleanup_ipc
 
 log = logging.getLogger("subway.frontend")
 
@@ -157,8 +157,9 @@ class SchedulerLink:
             return
         ipc = self.config.ipc
         self._ctx = zmq.asyncio.Context()
-        self._pull = bind(self._ctx, zmq.PULL, ipc.frontend_addr)
-        self._push = connect(self._ctx, zmq.PUSH, ipc.scheduler_addr, SNDHWM=0)
+        socks = Sockets(self._ctx, ipc)
+        self._pull = socks.bind(zmq.PULL, ipc.frontend_addr)
+        self._push = socks.connect(zmq.PUSH, ipc.scheduler_addr, SNDHWM=0)
         self.send(FrontendHello(pid=os.getpid()))
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="subway-engine-reader"),

@@ -7,6 +7,8 @@ import stat
 
 import zmq
 
+from subway.ipc.config import IpcConfig
+
 
 def secure_dir(path: str) -> bool:
     """Make `path` with mode 0700 if it is missing (True: this call made it). One that is
@@ -29,6 +31,25 @@ def secure_dir(path: str) -> bool:
 def _prepare(addr: str) -> None:
     if addr.startswith("ipc://"):
         secure_dir(os.path.dirname(addr[len("ipc://") :]) or ".")
+
+
+class Sockets:
+    """Makes one process's internal-plane sockets, all in one way: linger 0, every
+    message bounded by `ipc.max_message_bytes` (ZMQ_MAXMSGSIZE: a larger one drops the
+    connection that sent it), and CurveZMQ on tcp:// when the config names a key file."""
+
+    def __init__(self, ctx: zmq.Context, ipc: IpcConfig) -> None:
+        self.ctx = ctx
+        self.ipc = ipc
+
+    def _opts(self, opts: dict[str, int]) -> dict[str, int]:
+        return {"MAXMSGSIZE": self.ipc.max_message_bytes, **opts}
+
+    def bind(self, kind: int, addr: str, **opts: int) -> zmq.Socket:
+        return bind(self.ctx, kind, addr, **self._opts(opts))
+
+    def connect(self, kind: int, addr: str, **opts: int) -> zmq.Socket:
+        return connect(self.ctx, kind, addr, **self._opts(opts))
 
 
 def bind(ctx: zmq.Context, kind: int, addr: str, **opts: int) -> zmq.Socket:

@@ -41,7 +41,7 @@ from subway.ipc.messages import (
     WorkerReady,
 )
 from subway.ipc.shm import TokenBuffer, resolve
-from subway.ipc.sockets import bind, cleanup_ipc, connect
+from subway.ipc.sockets import Sockets, cleanup_ipc
 from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.policy import make_policy
 from subway.scheduler.scheduler import Scheduler
@@ -74,9 +74,10 @@ class SchedulerLoop:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
-        self.workers = WorkerLink(self.ctx, config)
-        self.requests = bind(self.ctx, zmq.PULL, config.ipc.scheduler_addr, RCVHWM=0)
-        self.frontend = connect(self.ctx, zmq.PUSH, config.ipc.frontend_addr, SNDHWM=0)
+        socks = Sockets(self.ctx, config.ipc)
+        self.workers = WorkerLink(socks, config)
+        self.requests = socks.bind(zmq.PULL, config.ipc.scheduler_addr, RCVHWM=0)
+        self.frontend = socks.connect(zmq.PUSH, config.ipc.frontend_addr, SNDHWM=0)
         # A frontend that dies leaves requests nobody will read: abort them when it goes.
         self.frontend_monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.in_codec = Codec(ToScheduler)

@@ -30,7 +30,7 @@ from subway.ipc.messages import (
     WorkerReady,
 )
 from subway.ipc.shm import TokenBuffer, resolve
-from subway.ipc.sockets import bind, cleanup_ipc
+from subway.ipc.sockets import Sockets, cleanup_ipc
 
 log = logging.getLogger("subway.scheduler")
 
@@ -38,12 +38,12 @@ LINGER_MS = 1000  # time left to deliver Shutdown on close
 
 
 class WorkerLink:
-    def __init__(self, ctx: zmq.Context, config: EngineConfig) -> None:
+    def __init__(self, socks: Sockets, config: EngineConfig) -> None:
         self.config = config
-        self.plans = bind(
-            ctx, zmq.XPUB, config.ipc.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
+        self.plans = socks.bind(
+            zmq.XPUB, config.ipc.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
         )  # verbose-r: every (un)subscription, so each worker's arrival and departure show
-        self.results = bind(ctx, zmq.PULL, config.ipc.result_addr, RCVHWM=0)
+        self.results = socks.bind(zmq.PULL, config.ipc.result_addr, RCVHWM=0)
         self._in = Codec(FromWorker)
         self._out = Codec(ToWorker)
         self.num_subscribers = 0

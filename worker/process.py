@@ -29,7 +29,7 @@ from subway.ipc.messages import (
     WorkerReady,
 )
 from subway.ipc.shm import TokenBuffer
-from subway.ipc.sockets import connect
+from subway.ipc.sockets import Sockets
 from subway.worker.parallel import init_distributed
 from subway.worker.runner import ModelRunner, StepOutput, resolve_device
 
@@ -67,9 +67,10 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         torch.set_num_threads(config.parallel.threads)
     codec_in, codec_out = Codec(ToWorker), Codec(FromWorker)
     ctx = zmq.Context()
-    sub = connect(ctx, zmq.SUB, config.ipc.plan_addr)
+    socks = Sockets(ctx, config.ipc)
+    sub = socks.connect(zmq.SUB, config.ipc.plan_addr)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    push = connect(ctx, zmq.PUSH, config.ipc.result_addr)
+    push = socks.connect(zmq.PUSH, config.ipc.result_addr)
     runner: ModelRunner | None = None
     sampled: TokenBuffer | None = None
     monitor: zmq.Socket | None = None
