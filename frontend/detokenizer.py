@@ -9,15 +9,47 @@ window of ids already turned into text, decoded again together with the new
 ids, so that tokenizers that depend on context (leading spaces, byte-level
 merges) decode the new ids as they would in the full sequence. Text ending in
 U+FFFD is an incomplete UTF-8 character: it is held back until completed.
+
+Ids that decoding skips (special tokens, with `skip_special_tokens`) never
+enter the window: `tokenizer.decode` drops them before it joins the rest, so
+leaving them out gives the same text, and a run of them (a model that keeps
+sampling EOS under `ignore_eos`) costs nothing instead of a window that grows
+with every one of them.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 5  # prompt ids decoded with the first new ids, for context
+
+_skipped_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids `tokenizer.decode(..., skip_special_tokens=True)` leaves out: its special
+    tokens (the special-tokens map and every added token marked special), kept only if
+    they do decode to nothing when skipped and to something when not. Cached per tokenizer."""
+    try:
+        return _skipped_cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    candidates = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    candidates |= {i for i, tok in added.items() if getattr(tok, "special", False)}
+
+    def text(i: int, skip: bool) -> str:
+        return tokenizer.decode([i], skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    ids = frozenset(i for i in candidates if text(i, True) == "" and text(i, False) != "")
+    try:
+        _skipped_cache[tokenizer] = ids
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -28,12 +60,23 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
+        context = self._context(prompt_ids)
         if context and self._decode(context).endswith(REPLACEMENT):
             context = []  # the prompt ends inside a character: its text would swallow ours
         self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(context)
+
+    def _context(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The last PROMPT_CONTEXT ids of the prompt that decoding keeps."""
+        context: list[int] = []
+        for i in reversed(prompt_ids):
+            if len(context) == PROMPT_CONTEXT:
+                break
+            if i not in self.skipped:
+                context.append(i)
+        return context[::-1]
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(
@@ -49,6 +92,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one id; returns the text it completes (often "", never a partial character)."""
+        if token_id in self.skipped:
+            return ""  # decoding drops it: the window stays as it is
         self.ids.append(token_id)
         text = self._pending()
         if not text or text.endswith(REPLACEMENT):

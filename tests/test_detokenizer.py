@@ -149,3 +149,49 @@ def test_matcher_holds_possible_prefixes():
     assert m.flush() == ""
     m = StopStringMatcher(["abc"])
     assert m.feed("ab") == "" and m.flush() == "ab"
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the ids handed to `decode`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids, **kwargs) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_skipped_special_tokens_cost_linear_decoding(tokenizer):
+    """A model that keeps sampling special tokens (EOS under ignore_eos) must not make
+    each step decode a window that grows with every skipped one."""
+    counting = CountingTokenizer(tokenizer)
+    prompt = tokenizer.encode("Hello there", add_special_tokens=False)
+    detok = Detokenizer(counting, prompt)
+    specials = [tokenizer.eos_token_id, *tokenizer.all_special_ids]
+    base = counting.decoded  # what setting up cost (the prompt's context, the probe)
+    n = 20_000
+    for k in range(n):
+        assert detok.add([specials[k % len(specials)]]).text == ""
+        assert counting.decoded - base < 4 * (k + 1) + 64, f"quadratic after {k + 1} tokens"
+    tail = tokenizer.encode(" world", add_special_tokens=False)
+    text = detok.add(tail).text + detok.finish().text
+    assert text == " world"
+    assert counting.decoded - base < 4 * (n + len(tail)) + 64
+
+
+def test_special_tokens_between_text_decode_as_the_whole(tokenizer):
+    ids = tokenizer.encode("one two", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    seq = [eos, ids[0], eos, eos, *tokenizer.all_special_ids, *ids[1:], eos]
+    for chunks in (1, 2, None):
+        pieces, _, consumed = stream(tokenizer, seq, chunks=chunks)
+        assert "".join(pieces) == full_decode(tokenizer, seq) and consumed == len(seq)
+    # Kept when not skipped: then they are text like any other.
+    detok = Detokenizer(tokenizer, (), (), skip_special_tokens=False)
+    text = detok.add(seq).text + detok.finish().text
+    assert text == full_decode(tokenizer, seq, skip_special_tokens=False)
