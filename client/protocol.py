@@ -1,12 +1,25 @@
 """The messages of the frontend's native ZMQ endpoint (client DEALER <-> frontend ROUTER).
 
 The one module that both sides import: the clients of `subway.client` and the
-frontend's endpoint. It imports only msgspec. Each message is one ZMQ frame of
-MessagePack; requests carry the client's own request id, which every answer
-repeats.
+frontend's endpoint. It imports only msgspec.
 
-    client -> frontend : GenerateRequest, AbortGenerate
+A client's message is four frames, an envelope the endpoint checks without
+decoding anything, then the body:
+
+    [PROTOCOL, api_key, request_id, body]   body: MessagePack GenerateRequest | AbortGenerate
+
+`request_id` is the client's own id (UTF-8, at most MAX_REQUEST_ID_BYTES);
+`api_key` is at most MAX_KEY_BYTES. The endpoint checks the frame count, the
+protocol and the key first and decodes the body only then, so a peer without
+the key costs no decoding. Each answer is one frame of MessagePack that
+repeats the request id:
+
     frontend -> client : GenerateOutput (one per step, or one at the end), GenerateError
+
+A message the endpoint cannot take (wrong frames, a wrong key, a body that does
+not decode as its type) is answered with a GenerateError (400, 401 or 413);
+when the envelope itself is broken its `request_id` is "" (CONNECTION_ERROR_ID):
+the clients fail every request in flight with it.
 
 `params` takes the fields of an OpenAI completions request (`max_tokens`,
 `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`,
@@ -20,18 +33,25 @@ from typing import Any
 
 import msgspec
 
+PROTOCOL = b"subway/1"  # the first frame of every client message
+MAX_KEY_BYTES = 1024
+MAX_REQUEST_ID_BYTES = 256
+CONNECTION_ERROR_ID = ""  # an error's request_id when no request of the message is known
 
-class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
-    request_id: str
+
+class GenerateRequest(
+    msgspec.Struct, tag="generate", omit_defaults=True, forbid_unknown_fields=True
+):
+    """A new request; its id is the envelope's."""
+
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: dict[str, Any] = {}
     stream: bool = True  # False: a single GenerateOutput when the request ends
-    api_key: str = ""
 
 
-class AbortGenerate(msgspec.Struct, tag="abort"):
-    request_id: str
+class AbortGenerate(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    """Stop the request the envelope names (nothing if it is not in flight)."""
 
 
 class GenerateOutput(msgspec.Struct, tag="output", omit_defaults=True):
@@ -55,6 +75,16 @@ class GenerateError(msgspec.Struct, tag="error"):
 
 ToFrontendEndpoint = GenerateRequest | AbortGenerate
 FromFrontendEndpoint = GenerateOutput | GenerateError
+
+
+def envelope(api_key: str, request_id: str, body: bytes) -> list[bytes]:
+    """A client message's frames; ValueError for a key or an id longer than allowed."""
+    key, rid = api_key.encode(), request_id.encode()
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"the API key is longer than {MAX_KEY_BYTES} bytes")
+    if not rid or len(rid) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes, not {len(rid)}")
+    return [PROTOCOL, key, rid, body]
 
 
 class RequestError(RuntimeError):

@@ -2,8 +2,8 @@
 
 The native endpoint skips HTTP and JSON: one DEALER socket to the frontend's
 ROUTER (`ipc://{run_dir}/client.sock` by default; the frontend logs it),
-MessagePack frames (`subway.client.protocol`), many requests in flight on one
-connection.
+MessagePack bodies in a small envelope of frames (`subway.client.protocol`),
+many requests in flight on one connection.
 
     from subway.client import Client
     with Client("ipc:///tmp/subway-RUNID/client.sock") as client:
@@ -36,12 +36,14 @@ import zmq
 import zmq.asyncio
 
 from subway.client.protocol import (
+    CONNECTION_ERROR_ID,
     AbortGenerate,
     FromFrontendEndpoint,
     GenerateError,
     GenerateOutput,
     GenerateRequest,
     RequestError,
+    envelope,
 )
 
 
@@ -73,6 +75,11 @@ def _ends(answer: GenerateOutput | GenerateError) -> bool:
     return isinstance(answer, GenerateError) or answer.finish_reason is not None
 
 
+def _broken(answer: GenerateOutput | GenerateError) -> bool:
+    """The endpoint could not read a message of ours at all: every request in flight fails."""
+    return isinstance(answer, GenerateError) and answer.request_id == CONNECTION_ERROR_ID
+
+
 def _output(answer: GenerateOutput | GenerateError) -> GenerateOutput:
     if isinstance(answer, GenerateError):
         raise RequestError(answer.status, answer.message)
@@ -94,15 +101,19 @@ class _Dealer:
 
     def _request(
         self, prompt: str | list[int], request_id: str | None, params: dict[str, Any], live
-    ) -> GenerateRequest:
-        """A new request; its id (a fresh one by default) must not be in `live`."""
+    ) -> tuple[str, list[bytes]]:
+        """A new request's id (a fresh one by default, not in `live`) and its frames."""
         rid = request_id or uuid.uuid4().hex
         if rid in live:
             raise ValueError(f"request id {rid!r} is in flight")
-        key = self.api_key
         if isinstance(prompt, str):
-            return GenerateRequest(rid, prompt=prompt, params=params, api_key=key)
-        return GenerateRequest(rid, prompt_token_ids=list(prompt), params=params, api_key=key)
+            req = GenerateRequest(prompt=prompt, params=params)
+        else:
+            req = GenerateRequest(prompt_token_ids=list(prompt), params=params)
+        return rid, self._frames(rid, req)
+
+    def _frames(self, request_id: str, msg: GenerateRequest | AbortGenerate) -> list[bytes]:
+        return envelope(self.api_key, request_id, _encoder.encode(msg))
 
     def _close_socket(self) -> None:
         self._sock.close(linger=200)  # time for the aborts to leave
@@ -136,11 +147,11 @@ class Client(_Dealer):
 
     def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
         """Send a request; read its outputs with `outputs(request_id)`. Returns its id."""
-        req = self._request(prompt, request_id, params, self._open)
-        self._open.add(req.request_id)
-        self._inbox[req.request_id] = collections.deque()
-        self._sock.send(_encoder.encode(req))
-        return req.request_id
+        rid, frames = self._request(prompt, request_id, params, self._open)
+        self._sock.send_multipart(frames)
+        self._open.add(rid)
+        self._inbox[rid] = collections.deque()
+        return rid
 
     def outputs(self, request_id: str) -> Iterator[GenerateOutput]:
         """A submitted request's outputs, up to the one with a finish_reason.
@@ -170,7 +181,7 @@ class Client(_Dealer):
 
     def abort(self, request_id: str) -> None:
         if request_id in self._open and not self._sock.closed:
-            self._sock.send(_encoder.encode(AbortGenerate(request_id)))
+            self._sock.send_multipart(self._frames(request_id, AbortGenerate()))
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -186,6 +197,10 @@ class Client(_Dealer):
             if not self._sock.poll(timeout_ms):
                 raise TimeoutError(f"no answer from {self.address} in {self.timeout} s")
             msg = self._decoder.decode(self._sock.recv())
+            if _broken(msg):
+                for other in self._inbox.values():
+                    other.append(msg)
+                continue
             other = self._inbox.get(msg.request_id)
             if other is not None:  # answers for other requests wait in their inbox
                 other.append(msg)
@@ -219,12 +234,12 @@ class AsyncClient(_Dealer):
         self._close_socket()
 
     def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
-        req = self._request(prompt, request_id, params, self._queues)
+        rid, frames = self._request(prompt, request_id, params, self._queues)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read_loop(), name="subway-client-reader")
-        self._queues[req.request_id] = asyncio.Queue()
-        self._sock.send(_encoder.encode(req))
-        return req.request_id
+        self._queues[rid] = asyncio.Queue()
+        self._sock.send_multipart(frames)
+        return rid
 
     async def outputs(self, request_id: str) -> AsyncIterator[GenerateOutput]:
         queue = self._queues.get(request_id)
@@ -263,12 +278,16 @@ class AsyncClient(_Dealer):
 
     def abort(self, request_id: str) -> None:
         if self._queues.pop(request_id, None) is not None and not self._sock.closed:
-            self._sock.send(_encoder.encode(AbortGenerate(request_id)), zmq.NOBLOCK)
+            self._sock.send_multipart(self._frames(request_id, AbortGenerate()), zmq.NOBLOCK)
 
     async def _read_loop(self) -> None:
         try:
             while True:
                 msg = self._decoder.decode(await self._sock.recv())
+                if _broken(msg):
+                    for queue in self._queues.values():
+                        queue.put_nowait(msg)
+                    continue
                 queue = self._queues.get(msg.request_id)
                 if queue is not None:
                     queue.put_nowait(msg)

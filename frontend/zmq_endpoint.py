@@ -3,9 +3,18 @@
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
 or JSON. The address is `config.server.client_addr`, by default
-`ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`). With an API key, each
-request must carry it. A client that goes away is noticed when an answer
-cannot be routed to it (ROUTER_MANDATORY): its request is then aborted.
+`ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`).
+A client that goes away is noticed when an answer cannot be routed to it
+(ROUTER_MANDATORY): its request is then aborted.
+
+Every message is checked before it costs anything (`_check`): no frame over
+`max_bytes` reaches us (ZMQ_MAXMSGSIZE drops the connection that sends one),
+frames past the envelope's four are dropped as they are read, and the envelope
+(`subway.client.protocol`) is checked in order: frame count, protocol, sizes,
+the API key (hmac.compare_digest), and only then is the body decoded as its
+type. What fails is answered with a GenerateError (400, 401, 413) and counted
+in `rejected`; the first rejection of each peer is logged. Nothing a peer sends
+stops the endpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +32,10 @@ import zmq.asyncio
 from pydantic import ValidationError
 
 from subway.client.protocol import (
+    CONNECTION_ERROR_ID,
+    MAX_KEY_BYTES,
+    MAX_REQUEST_ID_BYTES,
+    PROTOCOL,
     AbortGenerate,
     FromFrontendEndpoint,
     GenerateError,
@@ -34,7 +47,7 @@ from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.inputs import client_scheduling, completion_job
 from subway.frontend.logprobs import native_logprobs
-from subway.frontend.middleware import AccessRecord, access_log, log_access
+from subway.frontend.middleware import MAX_BODY_BYTES, AccessRecord, access_log, log_access
 from subway.frontend.pipeline import ServingContext, admit, engine_failure, new_id
 from subway.frontend.protocol import CompletionRequest
 from subway.ipc.sockets import bind, cleanup_ipc
@@ -42,12 +55,30 @@ from subway.ipc.sockets import bind, cleanup_ipc
 log = logging.getLogger("subway.frontend")
 
 _IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt", "model")
+FRAMES = 5  # the peer's identity (added by ROUTER), then the envelope's four
+MAX_WARNED_PEERS = 1024  # peers whose first rejection is logged; later ones are only counted
+
+
+class Rejected(Exception):
+    """A message refused before it reached the pipeline: the answer to send back."""
+
+    def __init__(self, status: int, message: str, request_id: str = CONNECTION_ERROR_ID) -> None:
+        super().__init__(message)
+        self.reply = GenerateError(request_id, status, message)
 
 
 class ClientEndpoint:
-    def __init__(self, ctx: ServingContext, address: str) -> None:
+    """`rejected`: how many messages were refused (malformed, unauthenticated, too big)."""
+
+    def __init__(self, ctx: ServingContext, address: str, max_bytes: int | None = None) -> None:
         self.ctx = ctx
         self.address = address
+        # The largest frame, and envelope, taken: as the HTTP door's body, at most the
+        # engine's message bound.
+        limit = ctx.config.ipc.max_message_bytes
+        self.max_bytes = min(limit, max_bytes if max_bytes is not None else MAX_BODY_BYTES)
+        self.rejected = 0
+        self._warned: set[bytes] = set()
         self._zmq: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -58,7 +89,14 @@ class ClientEndpoint:
 
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
-        self._sock = bind(self._zmq, zmq.ROUTER, self.address, ROUTER_MANDATORY=1, SNDHWM=0)
+        self._sock = bind(
+            self._zmq,
+            zmq.ROUTER,
+            self.address,
+            ROUTER_MANDATORY=1,
+            SNDHWM=0,
+            MAXMSGSIZE=self.max_bytes,
+        )
         self._reader = asyncio.create_task(self._read_loop(), name="subway-client-endpoint")
         log.info("native ZMQ endpoint at %s", self.address)
 
@@ -83,27 +121,76 @@ class ClientEndpoint:
     async def _read_loop(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            identity, data = frames
+            frames, count = await self._recv()
+            identity = frames[0]
             try:
-                msg = self._decoder.decode(data)
-            except msgspec.DecodeError as e:
-                log.warning("undecodable message on the ZMQ endpoint: %s", e)
-                continue
-            key = (identity, msg.request_id)
-            if isinstance(msg, AbortGenerate):
-                task = self._tasks.get(key)
-                if task is not None:
-                    task.cancel()
-                continue
-            if key in self._tasks:
-                self._send(identity, GenerateError(msg.request_id, 400, "request id in use"))
-                continue
-            task = asyncio.create_task(self._serve(identity, msg))
-            self._tasks[key] = task
-            task.add_done_callback(lambda _t, key=key: self._tasks.pop(key, None))
+                rid, msg = self._check(frames, count)
+                self._dispatch(identity, rid, msg)
+            except Rejected as e:
+                self._reject(identity, e.reply)
+            except Exception:  # a bug of ours: logged, and the endpoint serves on
+                log.exception("the ZMQ endpoint failed on a message")
+                self._reject(identity, GenerateError(CONNECTION_ERROR_ID, 500, "internal error"))
+
+    async def _recv(self) -> tuple[list[bytes], int]:
+        """One message's first FRAMES frames, and how many it had (the rest are dropped)."""
+        assert self._sock is not None
+        frames: list[bytes] = []
+        count = 0
+        while True:
+            frame = await self._sock.recv(copy=False)
+            count += 1
+            if count <= FRAMES:
+                frames.append(frame.bytes)
+            if not frame.more:
+                return frames, count
+
+    def _check(self, frames: list[bytes], count: int) -> tuple[str, ToFrontendEndpoint]:
+        """The envelope, then the key, then (only then) the body; Rejected for what fails."""
+        if count != FRAMES:
+            raise Rejected(
+                400, f"expected {FRAMES - 1} frames (protocol, key, id, body), got {count - 1}"
+            )
+        _, protocol, key, rid_bytes, body = frames
+        if protocol != PROTOCOL:
+            raise Rejected(400, f"unsupported protocol: expected {PROTOCOL.decode()}")
+        if len(key) > MAX_KEY_BYTES or not 0 < len(rid_bytes) <= MAX_REQUEST_ID_BYTES:
+            raise Rejected(
+                400, f"a key is at most {MAX_KEY_BYTES} bytes, an id 1 to {MAX_REQUEST_ID_BYTES}"
+            )
+        try:
+            rid = rid_bytes.decode()
+        except UnicodeDecodeError:
+            raise Rejected(400, "the request id is not UTF-8") from None
+        if self._key and not hmac.compare_digest(key, self._key):
+            raise Rejected(401, "invalid or missing API key", rid)
+        if sum(map(len, frames)) > self.max_bytes:
+            raise Rejected(413, f"the message is larger than {self.max_bytes} bytes", rid)
+        try:
+            return rid, self._decoder.decode(body)
+        except msgspec.DecodeError as e:  # ValidationError (types, kinds) is one too
+            raise Rejected(400, f"malformed body: {e}", rid) from None
+
+    def _dispatch(self, identity: bytes, rid: str, msg: ToFrontendEndpoint) -> None:
+        key = (identity, rid)
+        if isinstance(msg, AbortGenerate):
+            task = self._tasks.get(key)
+            if task is not None:
+                task.cancel()
+            return
+        if key in self._tasks:
+            raise Rejected(400, "request id in use", rid)
+        task = asyncio.create_task(self._serve(identity, rid, msg))
+        self._tasks[key] = task
+        task.add_done_callback(lambda _t, key=key: self._tasks.pop(key, None))
+
+    def _reject(self, identity: bytes, reply: GenerateError) -> None:
+        self.rejected += 1
+        if identity not in self._warned and len(self._warned) < MAX_WARNED_PEERS:
+            self._warned.add(identity)
+            log.warning("ZMQ endpoint refused a message (%d: %s)", reply.status, reply.message)
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(identity, reply)
 
     def _send(self, identity: bytes, msg: FromFrontendEndpoint) -> None:
         """Raises zmq.ZMQError when the client is gone (ROUTER_MANDATORY)."""
@@ -113,7 +200,7 @@ class ClientEndpoint:
         if fut.done() and fut.exception() is not None:
             raise fut.exception()
 
-    async def _serve(self, identity: bytes, msg: GenerateRequest) -> None:
+    async def _serve(self, identity: bytes, rid: str, msg: GenerateRequest) -> None:
         """One request through the pipeline's stages, its answers sent as they come."""
         start = time.time()
         record = AccessRecord()
@@ -121,31 +208,27 @@ class ClientEndpoint:
         group = None
         try:
             group = self._admit(msg, record)
-            async for out in native_outputs(
-                group, msg.request_id, record.prompt_tokens, msg.stream
-            ):
+            async for out in native_outputs(group, rid, record.prompt_tokens, msg.stream):
                 self._send(identity, out)
         except zmq.ZMQError:
             status = 499  # the client is gone: leaving aborts the engine requests
         except asyncio.CancelledError:
             status = 499  # AbortGenerate, or shutdown
             with contextlib.suppress(zmq.ZMQError):
-                self._send(identity, GenerateOutput(msg.request_id, finish_reason="abort"))
+                self._send(identity, GenerateOutput(rid, finish_reason="abort"))
             raise
         except Exception as e:  # refused (an APIError), or failed
             err = engine_failure(e)
             status = err.status
             with contextlib.suppress(zmq.ZMQError):
-                self._send(identity, GenerateError(msg.request_id, err.status, err.message))
+                self._send(identity, GenerateError(rid, err.status, err.message))
         finally:
             if group is not None:
                 group.close()
-            self._log(msg, status, record, start)
+            self._log(rid, status, record, start)
 
     def _admit(self, msg: GenerateRequest, record: AccessRecord) -> ChoiceGroup | None:
         ctx = self.ctx
-        if self._key and not hmac.compare_digest(msg.api_key.encode(), self._key):
-            raise APIError(401, "invalid or missing API key")
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise APIError(400, "give exactly one of prompt and prompt_token_ids")
         params = {k: v for k, v in msg.params.items() if k not in _IGNORED}
@@ -161,14 +244,14 @@ class ClientEndpoint:
         return admit(ctx, req, new_id("zmq"), job, record)
 
     @staticmethod
-    def _log(msg: GenerateRequest, status: int, record: AccessRecord, start: float) -> None:
+    def _log(request_id: str, status: int, record: AccessRecord, start: float) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
         line = {
             "method": "ZMQ",
             "path": "generate",
             "status": status,
-            "client_request_id": msg.request_id,
+            "client_request_id": request_id,
             "latency_s": round(time.time() - start, 6),
         }
         log_access(logging.INFO, line | record.fields(start))
