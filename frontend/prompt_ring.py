@@ -1,16 +1,18 @@
 """The frontend's prompt ring: prompt ids in shared memory, written once, read in place.
 
-This frontend owns the buffer (creates and unlinks it); the workers attach to
-it by name and read a prompt's run where it lies, so an AddRequest carries only
-its offset and length. A run is freed at its request's first delta: by then the
-workers have read it. Ids go inline when the ring is full, or without shared
-memory (`--no-shm`, several hosts).
+This frontend owns the buffer (creates and unlinks it). Its name is the run's
+prompt-buffer name plus a suffix of this process's own, so that a restarted
+frontend never meets its predecessor's segment; the FrontendHello names it,
+and the scheduler passes the name on to the workers in their next plan. They
+attach to it and read a prompt's run where it lies, so an AddRequest carries
+only its offset and length. A run is freed at its request's first delta: by
+then the workers have read it. Ids go inline when the ring is full, or without
+shared memory (`--no-shm`, several hosts).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import uuid
 from collections.abc import Sequence
 
 from subway.ipc.config import IpcConfig
@@ -23,6 +25,7 @@ class PromptRing:
 
     def __init__(self, buffer: TokenBuffer | None = None) -> None:
         self.buffer = buffer
+        self.name = buffer.name if buffer is not None else ""
         self.alloc = RingAllocator(buffer.capacity) if buffer is not None else None
         self.runs: dict[str, int] = {}  # request id -> offset of its prompt
 
@@ -30,7 +33,8 @@ class PromptRing:
     def create(cls, ipc: IpcConfig) -> PromptRing:
         if not ipc.use_shm:
             return cls()
-        return cls(TokenBuffer.create(ipc.prompt_shm_name, ipc.prompt_shm_tokens))
+        name = f"{ipc.prompt_shm_name}_{uuid.uuid4().hex[:8]}"
+        return cls(TokenBuffer.create(name, ipc.prompt_shm_tokens))
 
     def ref(self, request_id: str, ids: Sequence[int]) -> TokenRef:
         if self.alloc is not None and self.buffer is not None:
@@ -45,11 +49,6 @@ class PromptRing:
         offset = self.runs.pop(request_id, None)
         if offset is not None and self.alloc is not None:
             self.alloc.free(offset)
-
-    def release_later(self, request_id: str, delay: float) -> None:
-        if request_id in self.runs:
-            with contextlib.suppress(RuntimeError):  # no running loop: at shutdown
-                asyncio.get_running_loop().call_later(delay, self.release, request_id)
 
     def close(self) -> None:
         """Unlink the buffer. Idempotent."""

@@ -4,7 +4,7 @@ Every message that crosses a socket is one of the structs below, encoded with
 msgspec as MessagePack. Each socket direction has its own tagged union, so a
 receiver decodes exactly the messages it may get and nothing else.
 
-    frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello)
+    frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello, FrontendAlive)
     workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError)
     scheduler -> workers   : ToWorker      (Plan, Shutdown)
     scheduler -> frontend  : ToFrontend    (EngineReady, Deltas, EngineError)
@@ -83,12 +83,28 @@ class AbortRequest(msgspec.Struct, tag="abort"):
 
 
 class FrontendHello(msgspec.Struct, tag="hello"):
-    """Sent by a frontend when it starts; the scheduler answers with EngineReady once it is."""
+    """Sent by a frontend when it starts; the scheduler answers with EngineReady once it is.
+
+    `pid` and `host` name the frontend: its death is judged by them (and by its
+    heartbeat), never by a socket disconnect, which anyone can cause on a tcp port.
+    `prompt_shm` names this frontend's prompt buffer (each frontend makes its own).
+    """
 
     pid: int
+    host: str = ""
+    prompt_shm: str = ""
 
 
-ToScheduler = AddRequest | AbortRequest | FrontendHello
+class FrontendAlive(msgspec.Struct, tag="alive"):
+    """A frontend's heartbeat, every `FRONTEND_HEARTBEAT_S`."""
+
+    pid: int
+    host: str = ""
+
+
+FRONTEND_HEARTBEAT_S = 1.0
+
+ToScheduler = AddRequest | AbortRequest | FrontendHello | FrontendAlive
 
 
 # ---------------------------------------------------------------- workers -> scheduler
@@ -102,6 +118,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     vocab_size: int
     eos_token_ids: list[int]
     sampled_shm: str | None = None  # rank 0: name of the shm buffer it writes sampled ids to
+    host: str = ""  # with `pid`: how the scheduler judges this worker's death
 
 
 class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
@@ -118,6 +135,12 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     idle_time: float = 0.0  # seconds the worker waited for this plan after the previous step
     # Per sampled sequence, on its first sampled token when SamplingParams.prompt_logprobs asked.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # The step failed for these sequences (the worker dropped them and serves on): each of
+    # their requests ends with finish_reason "error"; `error` says why (for the log).
+    failed: list[int] = []
+    error: str = ""
+    # Messages this worker refused since it started (malformed or unexpected).
+    rejected_total: int = 0
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -167,6 +190,9 @@ class Plan(msgspec.Struct, tag="plan", omit_defaults=True):
     # Sequences preempted by recompute: the worker clears their block tables
     # but keeps their tokens; they return later with start_pos 0 (or a cached prefix).
     preempted: list[int] = []
+    # Set when the frontend's prompt buffer changed (a new frontend): the worker reads
+    # prompts in shared memory from this buffer from this plan on.
+    prompt_shm: str = ""
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -185,6 +211,8 @@ class EngineReady(msgspec.Struct, tag="engine_ready"):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    pid: int = 0  # the scheduler's, with `host`: how the frontend judges its death
+    host: str = ""
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -225,6 +253,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     worker_busy_time_total: float = 0.0  # seconds rank 0 spent running steps
     worker_idle_time_total: float = 0.0  # seconds rank 0 waited for a plan between steps
     scheduler_time_total: float = 0.0  # seconds spent in schedule()
+    ipc_rejected_total: int = 0  # messages the scheduler and the workers refused
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

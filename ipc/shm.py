@@ -68,6 +68,11 @@ def resolve(ref: TokenRef, buffer: TokenBuffer | None) -> list[int]:
         return list(ref.ids)
     if buffer is None:
         raise ValueError("token ids are in shared memory, but no buffer is attached")
+    if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > buffer.capacity:
+        raise ValueError(
+            f"a run [{ref.offset}, {ref.offset + ref.length}) outside the buffer's "
+            f"{buffer.capacity} ids"
+        )
     return buffer.read(ref.offset, ref.length).tolist()
 
 

@@ -12,12 +12,24 @@ then the frontends'), runs one engine-core step (settle the results that came,
 plan while fewer than 2 (overlap) or 1 plans are in flight), sends the deltas
 it has, then blocks in poll. Requests that come before the workers are ready
 wait, and are applied when the engine starts.
+
+The frontend is known by the pid and host of its FrontendHello and kept by its
+heartbeat (FrontendAlive): its requests are aborted when that pid has died
+(checked on any disconnect of the request socket, which a port probe can cause
+too) or when it has been silent for `FRONTEND_SILENCE_S` (hung, or on a host
+whose pids we cannot see). Every message is checked (`checks.py`) before use;
+what fails is refused and counted in `ipc_rejected_total`.
+
+SIGTERM drains: the loop serves on until nothing is left to do and the
+frontend has gone (or been quiet for `DRAIN_QUIET_S`), or until
+`shutdown_timeout + DRAIN_GRACE_S`; a second signal stops it at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -28,20 +40,24 @@ import zmq
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
+    FRONTEND_HEARTBEAT_S,
     AbortRequest,
     AddRequest,
     Codec,
     Deltas,
     EngineError,
     EngineReady,
+    FrontendAlive,
     FrontendHello,
     RequestDelta,
     ToFrontend,
     ToScheduler,
     WorkerReady,
 )
+from subway.ipc.peers import process_alive, this_host
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
+from subway.scheduler.checks import check_add, ids_in_vocab
 from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.policy import make_policy
 from subway.scheduler.scheduler import Scheduler
@@ -52,6 +68,9 @@ log = logging.getLogger("subway.scheduler")
 HEARTBEAT_S = 0.5  # a Deltas with stats at least this often once ready
 LOG_INTERVAL_S = 5.0  # one stats line in the log at most this often, while there is activity
 POLL_MAX_MS = 100  # longest block in poll, so that a signal is seen soon
+FRONTEND_SILENCE_S = 10 * FRONTEND_HEARTBEAT_S  # a frontend this quiet is gone: abort its work
+DRAIN_QUIET_S = 0.5  # after SIGTERM, idle this long with no frontend message: exit
+DRAIN_GRACE_S = 10.0  # after SIGTERM, exit after shutdown_timeout + this at the latest
 
 
 def run_scheduler(config: EngineConfig) -> int:
@@ -74,7 +93,7 @@ class SchedulerLoop:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
-        socks = Sockets(self.ctx, config.ipc)
+        socks = self.socks = Sockets(self.ctx, config.ipc)
         self.workers = WorkerLink(socks, config)
         self.requests = socks.bind(zmq.PULL, config.ipc.scheduler_addr, RCVHWM=0)
         self.frontend = socks.connect(zmq.PUSH, config.ipc.frontend_addr, SNDHWM=0)
@@ -87,14 +106,38 @@ class SchedulerLoop:
         self.ready_msg: EngineReady | None = None
         self.early: list[AddRequest | AbortRequest] = []  # requests that came before ready
         self.prompt_buf: TokenBuffer | None = None
+        self.prompt_shm = config.ipc.prompt_shm_name  # as the frontend's hello names it
         self.out: list[RequestDelta] = []  # deltas to send at the end of this turn
         self.last_out_at = 0.0
         self.last_log_at = time.monotonic()
-        self.stop = False
+        self.frontend_peer: tuple[int, str] | None = None  # (pid, host) of its hello
+        self.frontend_seen = 0.0  # time.monotonic() of its last message
+        self.rejected = 0  # frontend messages refused here
+        self._logged: set[str] = set()
+        self.stop = False  # stop now
+        self.drain_since: float | None = None  # SIGTERM came: drain, then stop
         self.exit_code: int | None = None
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
-        self.stop = True
+        """First signal: drain. Second: stop now."""
+        if self.drain_since is None:
+            self.drain_since = time.monotonic()
+            log.info("draining: serving what is in flight, then exiting")
+        else:
+            self.stop = True
+
+    def _drained(self) -> bool:
+        """After SIGTERM: nothing left to do, and no frontend that may still send."""
+        if self.drain_since is None:
+            return False
+        now = time.monotonic()
+        if now - self.drain_since > self.config.server.shutdown_timeout + DRAIN_GRACE_S:
+            log.warning("drain timed out; exiting")
+            return True
+        sched = self.sched
+        if sched is not None and (sched.has_work or sched.has_pending_deltas or self.out):
+            return False
+        return self.frontend_peer is None or now - self.frontend_seen > DRAIN_QUIET_S
 
     # ------------------------------------------------------------ the loop
 
@@ -104,7 +147,7 @@ class SchedulerLoop:
             poller.register(sock, zmq.POLLIN)
         poller.register(self.frontend_monitor, zmq.POLLIN)
         try:
-            while not self.stop and self.exit_code is None:
+            while not self.stop and self.exit_code is None and not self._drained():
                 self._drain()
                 if self.exit_code is not None:
                     break
@@ -140,25 +183,39 @@ class SchedulerLoop:
             except zmq.Again:
                 break
             self._on_request(data)
+        disconnected = False
         while True:
             try:
                 self.frontend_monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._on_frontend_gone()
+            disconnected = True
+        peer = self.frontend_peer
+        if peer is None:
+            return
+        if disconnected and process_alive(*peer) is False:
+            self._on_frontend_gone(f"the frontend (pid {peer[0]}) died")
+        elif time.monotonic() - self.frontend_seen > FRONTEND_SILENCE_S:
+            self._on_frontend_gone(f"the frontend (pid {peer[0]}) is silent")
 
-    def _on_frontend_gone(self) -> None:
+    def _on_frontend_gone(self, why: str) -> None:
+        """Nobody will read the frontend's requests: abort them, forget the frontend."""
         live = self.sched.request_ids() if self.sched is not None else []
-        log.warning("a frontend disconnected; aborting its %d requests", len(live))
+        log.warning("%s; aborting its %d requests", why, len(live))
         for rid in live:
             self.sched.abort(rid)  # type: ignore[union-attr]
+        self.early = []
+        self.frontend_peer = None
 
     def _flush(self) -> None:
         """Send this turn's deltas with stats, or a heartbeat when it is time."""
         deltas = self.out
         if deltas or time.monotonic() - self.last_out_at >= HEARTBEAT_S:
             self.out = []
-            self._send_frontend(Deltas(deltas, self.sched.engine_stats()))  # type: ignore[union-attr]
+            sched = self.sched
+            assert sched is not None
+            sched.stats.ipc_rejected_total = self.rejected + self.workers.num_rejected
+            self._send_frontend(Deltas(deltas, sched.engine_stats()))
 
     def _maybe_log(self) -> None:
         """One line of engine statistics every LOG_INTERVAL_S, while anything happens."""
@@ -183,23 +240,48 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------ messages
 
+    def _reject(self, kind: str, detail: str) -> None:
+        self.rejected += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error("refused a message from a frontend (%s): %s; further ones only counted",
+                      kind, detail)  # fmt: skip
+
     def _on_request(self, data: bytes) -> None:
         try:
             msg = self.in_codec.decode(data)
         except msgspec.DecodeError as e:
-            log.error("undecodable message from a frontend: %s", e)
+            self._reject("undecodable", str(e))
             return
         if isinstance(msg, FrontendHello):
-            if self.prompt_buf is not None:  # a new frontend has a new buffer of the same name
-                self.prompt_buf.close()
-                self.prompt_buf = None
-            if self.ready_msg is not None:
-                self._send_frontend(self.ready_msg)
+            self._on_hello(msg)
+            return
+        self.frontend_seen = time.monotonic()
+        if isinstance(msg, FrontendAlive):
+            if self.frontend_peer is None:  # back from a silence that cost it its requests
+                self.frontend_peer = (msg.pid, msg.host)
             return
         if self.sched is None:
             self.early.append(msg)
         else:
             self._apply(msg)
+
+    def _on_hello(self, msg: FrontendHello) -> None:
+        """A frontend (re)starts: it is now the one; its prompt buffer replaces the last."""
+        peer = (msg.pid, msg.host)
+        if self.frontend_peer is not None and self.frontend_peer != peer:
+            old = self.frontend_peer[0]
+            self._on_frontend_gone(f"a new frontend (pid {msg.pid}) replaced pid {old}")
+        self.frontend_peer, self.frontend_seen = peer, time.monotonic()
+        name = msg.prompt_shm or self.config.ipc.prompt_shm_name
+        if name != self.prompt_shm or self.prompt_buf is not None:
+            if self.prompt_buf is not None:
+                self.prompt_buf.close()
+                self.prompt_buf = None
+            self.prompt_shm = name
+            self.workers.use_prompts(name)
+        if self.ready_msg is not None:
+            self._send_frontend(self.ready_msg)
 
     def _apply(self, msg: AddRequest | AbortRequest) -> None:
         sched = self.sched
@@ -207,7 +289,14 @@ class SchedulerLoop:
         if isinstance(msg, AbortRequest):
             sched.abort(msg.request_id)
             return
-        ids = self._read_prompt(msg)
+        vocab = self.ready_msg.vocab_size if self.ready_msg is not None else 0
+        problem = check_add(msg, vocab)
+        ids = self._read_prompt(msg) if problem is None else None
+        if problem is None and ids is not None and not ids_in_vocab(ids, vocab):
+            problem = f"a prompt token id outside [0, {vocab})"
+        if problem is not None:
+            self._reject("bad request", f"{msg.request_id[:64]!r}: {problem}")
+            ids = None
         sched.add(msg, ids if ids is not None else [])  # no ids: it finishes with "error"
 
     def _read_prompt(self, req: AddRequest) -> list[int] | None:
@@ -216,15 +305,15 @@ class SchedulerLoop:
             return list(ref.ids)
         if self.prompt_buf is None:
             try:
-                self.prompt_buf = TokenBuffer.attach(self.config.ipc.prompt_shm_name)
+                self.prompt_buf = TokenBuffer.attach(self.prompt_shm)
             except (OSError, ValueError) as e:
                 log.error("cannot attach the prompt buffer: %s", e)
                 return None
-        ids = resolve(ref, self.prompt_buf)  # a copy: the frontend reuses the space
-        if len(ids) != ref.length or ref.offset < 0:
-            log.error("request %s: prompt run out of the buffer's bounds", req.request_id)
+        try:
+            return resolve(ref, self.prompt_buf)  # a copy: the frontend reuses the space
+        except ValueError as e:
+            self._reject("bad prompt ref", f"{req.request_id[:64]!r}: {e}")
             return None
-        return ids
 
     def _start(self, ranks: list[WorkerReady]) -> None:
         """Every worker is ready: make the scheduler and the engine core, greet the frontend."""
@@ -243,6 +332,8 @@ class SchedulerLoop:
             max_model_len=sched.max_model_len,
             vocab_size=rank0.vocab_size,
             eos_token_ids=list(rank0.eos_token_ids),
+            pid=os.getpid(),
+            host=this_host(),
         )
         log.info("engine ready: %s", self.ready_msg)
         self._send_frontend(self.ready_msg)
@@ -259,6 +350,7 @@ class SchedulerLoop:
         self.frontend_monitor.close(linger=0)
         self.frontend.close(linger=LINGER_MS)
         self.requests.close(linger=0)
+        self.socks.close()  # the ZAP handler's socket, before term
         self.ctx.term()
         cleanup_ipc(self.config.ipc.scheduler_addr)
         if self.prompt_buf is not None:

@@ -33,6 +33,8 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
     stats.worker_idle_total += result.idle_time
     deltas = sched.pop_pending_deltas()
     get = sched.by_seq.get
+    if result.failed:
+        _fail(sched, result, deltas)
     append = deltas.append
     extras = result.logprobs is not None or result.prompt_logprobs is not None
     i = -1
@@ -65,6 +67,24 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         deltas.extend(d for after, d in sched.deferred if after <= step)
         sched.deferred = [item for item in sched.deferred if item[0] > step]
     return deltas
+
+
+def _fail(sched: Scheduler, result: StepResult, deltas: list[RequestDelta]) -> None:
+    """The worker could not run this step for `result.failed`: end their requests with
+    "error" (the worker has forgotten them; the next plan lists them as finished)."""
+    for sid in result.failed:
+        req = sched.by_seq.get(sid)
+        if req is None:
+            continue
+        req.num_inflight = 0
+        req.num_computed_tokens = 0  # the failed step's KV is suspect: cache none of it
+        delta = RequestDelta(req.request_id, [], "error")
+        if not req.reported:
+            req.reported = True
+            delta.num_prompt_tokens = len(req.prompt_ids)
+        deltas.append(delta)
+        sched.finish(req)
+    sched.stats.num_failed_total += len(result.failed)
 
 
 def _first_delta(req: Request, tok: int, reason: str | None) -> RequestDelta:

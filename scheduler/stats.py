@@ -31,6 +31,8 @@ class SchedulerStats:
     worker_idle_total: float = 0.0
     last_worker_idle_time: float = 0.0
     last_step_time: float = 0.0
+    num_failed_total: int = 0  # sequences a failed step ended with "error"
+    ipc_rejected_total: int = 0  # messages refused: the scheduler's and the workers' own
     # Where the last log line left off, for per-interval rates:
     logged_steps: int = 0
     logged_schedule_time: float = 0.0
@@ -58,6 +60,7 @@ class SchedulerStats:
             worker_busy_time_total=self.worker_busy_total,
             worker_idle_time_total=self.worker_idle_total,
             scheduler_time_total=self.schedule_time_total,
+            ipc_rejected_total=self.ipc_rejected_total,
         )
 
     def log_line(self, s: EngineStats, interval: float) -> str:

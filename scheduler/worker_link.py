@@ -6,14 +6,26 @@ the worker processes.
 
 No plan goes out before `tensor_parallel_size` subscriptions and as many
 WorkerReady messages have arrived: a PUB socket drops what it sends before a
-subscriber has joined. A worker's SUB pipe that closes once the engine runs
-means its process died (the kernel closed its sockets): that, or a
-WorkerError, is a `failure`, and the engine cannot serve.
+subscriber has joined.
+
+What arrives is checked before use: a result must answer the oldest plan in
+flight, for sequences that plan sampled, with token ids inside the vocabulary
+and lists of matching lengths; a WorkerReady must name a rank of this engine.
+Anything else is dropped and counted (`rejected`), logged once per kind.
+
+The engine cannot serve (`failure`) when a worker says so (WorkerError), when
+a known worker process has died (judged by its pid on this host, on any
+unsubscription and every `PEER_CHECK_S`: never by a socket event alone, which
+a stray connection causes too), or when the oldest plan in flight has made no
+progress for `scheduler.step_timeout` seconds (a hung worker: stopped,
+deadlocked in a collective, stuck in a kernel).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -29,12 +41,14 @@ from subway.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
+from subway.ipc.peers import process_alive
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
 
 log = logging.getLogger("subway.scheduler")
 
 LINGER_MS = 1000  # time left to deliver Shutdown on close
+PEER_CHECK_S = 1.0  # how often the workers' pids are checked
 
 
 class WorkerLink:
@@ -51,7 +65,16 @@ class WorkerLink:
         self.started = False  # the engine runs: plans may go out
         self.failure: str | None = None
         self.sampled_buf: TokenBuffer | None = None
+        self.vocab_size = 0
+        self.rejected = 0  # messages refused here
+        self.worker_rejected = 0  # messages rank 0 says it refused
+        self._logged: set[str] = set()  # kinds of refusal logged already
         self._results: list[tuple[StepResult, list[int]]] = []
+        # Plans in flight, oldest first: (step, ids of the sequences it samples, the plan).
+        self._inflight: deque[tuple[int, list[int], Plan]] = deque()
+        self._progress_at = 0.0  # last result, or the submit that started an empty pipeline
+        self._peers_checked_at = 0.0
+        self._prompt_shm = ""  # to name in the next plan: the frontend's new prompt buffer
 
     def ready_ranks(self) -> list[WorkerReady] | None:
         """Every rank's WorkerReady once all have subscribed and said so, in rank order."""
@@ -69,11 +92,26 @@ class WorkerLink:
                 self.sampled_buf = TokenBuffer.attach(rank0.sampled_shm)
             except (OSError, ValueError) as e:
                 log.error("cannot attach rank 0's sampled-token buffer: %s", e)
+        self.vocab_size = rank0.vocab_size
         self.started = True
+
+    def use_prompts(self, name: str) -> None:
+        """A frontend's prompt buffer is now `name`: the next plan tells the workers."""
+        self._prompt_shm = name
+
+    @property
+    def num_rejected(self) -> int:
+        return self.rejected + self.worker_rejected
 
     # ------------------------------------------------------------ the executor
 
     def submit(self, plan: Plan) -> None:
+        if self._prompt_shm:
+            plan.prompt_shm, self._prompt_shm = self._prompt_shm, ""
+        if not self._inflight:
+            self._progress_at = time.monotonic()
+        sampled = [s.seq_id for s in plan.seqs if s.sample]
+        self._inflight.append((plan.step, sampled, plan))
         self.plans.send(self._out.encode(plan))
 
     def collect(self) -> list[tuple[StepResult, list[int]]]:
@@ -83,7 +121,8 @@ class WorkerLink:
     # ------------------------------------------------------------ receiving
 
     def drain(self) -> None:
-        """Read every subscription change and worker message there is, without blocking."""
+        """Read every subscription change and worker message there is, without blocking;
+        then judge the workers' health (their pids, the oldest plan's progress)."""
         for sock, handle in ((self.plans, self._on_subscription), (self.results, self._on_msg)):
             while self.failure is None:
                 try:
@@ -91,35 +130,79 @@ class WorkerLink:
                 except zmq.Again:
                     break
                 handle(data)
+        now = time.monotonic()
+        if self.failure is None and now - self._peers_checked_at >= PEER_CHECK_S:
+            self._check_peers()
+        if self.failure is None and self._inflight:
+            stalled = now - self._progress_at
+            if stalled > self.config.scheduler.step_timeout:
+                self.failure = (
+                    f"step {self._inflight[0][0]} made no progress for {stalled:.1f} s "
+                    f"(--step-timeout {self.config.scheduler.step_timeout:g}): a worker is hung"
+                )
+
+    def _check_peers(self) -> None:
+        """A failure if any known worker process has died."""
+        self._peers_checked_at = time.monotonic()
+        for w in self.workers.values():
+            if process_alive(w.pid, w.host) is False:
+                self.failure = f"worker {w.rank} (pid {w.pid}) died"
+                return
 
     def _on_subscription(self, data: bytes) -> None:
         if data[:1] == b"\x01":
             self.num_subscribers += 1
         elif data[:1] == b"\x00":
             self.num_subscribers -= 1
-            if self.started:
-                self.failure = "a worker disconnected (process died?)"
+            if self.started:  # a worker, or a stray subscriber: who died?
+                self._check_peers()
+
+    def _reject(self, kind: str, detail: str) -> None:
+        self.rejected += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error("refused a message from a worker (%s): %s; further ones only counted",
+                      kind, detail)  # fmt: skip
 
     def _on_msg(self, data: bytes) -> None:
         try:
             msg = self._in.decode(data)
         except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-            log.error("undecodable message from a worker: %s", e)
+            self._reject("undecodable", str(e))
             return
         if isinstance(msg, StepResult):
-            if not self.started:
-                log.warning("step result before the engine was ready")
-                return
-            if msg.tokens.ids is None and self.sampled_buf is None:
-                raise RuntimeError("sampled ids are in shared memory, but rank 0 named no buffer")
-            self._results.append((msg, resolve(msg.tokens, self.sampled_buf)))
+            self._on_result(msg)
         elif isinstance(msg, WorkerReady):
-            if self.started:
-                log.warning("WorkerReady from rank %d after the engine was ready", msg.rank)
+            tp = self.config.parallel.tensor_parallel_size
+            if self.started or not 0 <= msg.rank < tp or msg.num_blocks < 1 or msg.vocab_size < 1:
+                self._reject("bad WorkerReady", f"rank {msg.rank} (started: {self.started})")
                 return
             self.workers[msg.rank] = msg
         elif isinstance(msg, WorkerError):
+            if not 0 <= msg.rank < self.config.parallel.tensor_parallel_size:
+                self._reject("bad WorkerError", f"rank {msg.rank}")
+                return
             self.failure = f"worker {msg.rank}: {msg.message}"
+
+    def _on_result(self, msg: StepResult) -> None:
+        if not self.started or not self._inflight or msg.step != self._inflight[0][0]:
+            expected = self._inflight[0][0] if self._inflight else None
+            self._reject("unexpected step", f"result of step {msg.step}, expected {expected}")
+            return
+        _, sampled, plan = self._inflight[0]
+        try:
+            tokens = resolve(msg.tokens, self.sampled_buf)
+        except ValueError as e:
+            self._reject("bad token ref", str(e))
+            return
+        problem = _check_result(msg, tokens, sampled, self.vocab_size, plan)
+        if problem is not None:
+            self._reject("malformed result", f"step {msg.step}: {problem}")
+            return
+        self._inflight.popleft()
+        self._progress_at = time.monotonic()
+        self.worker_rejected = msg.rejected_total
+        self._results.append((msg, tokens))
 
     # ------------------------------------------------------------ exit
 
@@ -135,3 +218,31 @@ class WorkerLink:
         if self.sampled_buf is not None:
             self.sampled_buf.close()
             self.sampled_buf = None
+
+
+def _check_result(
+    msg: StepResult, tokens: list[int], sampled: list[int], vocab: int, plan: Plan
+) -> str | None:
+    """What is wrong with a result for `plan`, which samples `sampled`; or None."""
+    n = len(msg.seq_ids)
+    if len(tokens) != n:
+        return f"{len(tokens)} tokens for {n} sequences"
+    if msg.seq_ids != sampled and not _subsequence(msg.seq_ids, sampled):
+        return "sequences the plan did not sample"
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        return f"a token id outside [0, {vocab})"
+    for name in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs"):
+        extra = getattr(msg, name)
+        if extra is not None and len(extra) != n:
+            return f"{len(extra)} {name} for {n} sequences"
+    if msg.failed:
+        known = {s.seq_id for s in plan.seqs} | {s.seq_id for s in plan.new_seqs}
+        if not known.issuperset(msg.failed):
+            return "failed sequences the plan did not touch"
+    return None
+
+
+def _subsequence(got: list[int], want: list[int]) -> bool:
+    """`got` is `want` less some entries (a worker skips the sequences of a failed step)."""
+    it = iter(want)
+    return all(any(x == y for y in it) for x in got)

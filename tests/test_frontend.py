@@ -90,6 +90,7 @@ class FakeScheduler:
         self._thread = threading.Thread(target=self._run, daemon=True, name="fake-scheduler")
         self._shm = None
         self._array = None
+        self.prompt_shm = self.config.ipc.prompt_shm_name  # as the frontend's hello names it
 
     # ------------------------------------------------ test side
 
@@ -131,7 +132,7 @@ class FakeScheduler:
         if ref.ids is not None:
             return list(ref.ids)
         if self._array is None:
-            name = self.config.ipc.prompt_shm_name
+            name = self.prompt_shm
             if self.owner_in_process:
                 self._shm = shared_memory.SharedMemory(name=name)
                 self._array = np.ndarray((self._shm.size // 4,), np.int32, buffer=self._shm.buf)
@@ -194,17 +195,18 @@ class FakeScheduler:
                         msg = codec_in.decode(pull.recv())
                         if isinstance(msg, FrontendHello):
                             self.hellos += 1
+                            self.prompt_shm = msg.prompt_shm
                         elif isinstance(msg, AddRequest):
                             self.adds.append(msg)
                             live[msg.request_id] = self._plan(msg)
                         elif isinstance(msg, AbortRequest):
                             self.aborts.append(msg.request_id)
-                            if live.pop(msg.request_id, None) is not None:
-                                push.send(
-                                    codec_out.encode(
-                                        Deltas([RequestDelta(msg.request_id, [], "abort")])
-                                    )
+                            live.pop(msg.request_id, None)  # an "abort" delta either way
+                            push.send(
+                                codec_out.encode(
+                                    Deltas([RequestDelta(msg.request_id, [], "abort")])
                                 )
+                            )
                 now = time.monotonic()
                 if self.paused:
                     continue
@@ -737,7 +739,7 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
     fake.start()
 
     async def main() -> None:
-        client = EngineClient(config, abort_release_s=0.1)
+        client = EngineClient(config)
         await client.start()
         try:
             for _ in range(200):
@@ -780,7 +782,7 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
         assert fake.adds[0].prompt.ids == list(range(10, 30))
         assert fake.adds[1].prompt.ids is None and fake.adds[1].prompt.length == 4
         assert fake.wait_for(lambda: "early" in fake.aborts)
-        assert not os.path.exists(f"/dev/shm/{config.ipc.prompt_shm_name}")
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(config.ipc.prompt_shm_name)]
     finally:
         fake.stop()
 

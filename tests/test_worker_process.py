@@ -132,18 +132,60 @@ def test_plans_results_and_shutdown(worker):
     assert not _shm_exists(config.ipc.sampled_shm_name)
 
 
-def test_failed_step_reports_and_exits_1(worker):
-    config, sched, _, proc, _ = worker
+def _result(sched: FakeScheduler) -> StepResult:
+    res = sched.recv()
+    assert isinstance(res, StepResult), res
+    return res
+
+
+def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(worker):
+    """A plan the worker cannot run (an unknown sequence, a prompt id outside the vocabulary,
+    positions past its blocks) fails only its own sequences; a malformed plan is refused and
+    counted; the next good plan is served."""
+    config, sched, _, proc, ready = worker
     sched.send(Plan(0, [SeqStep(99, 0, 1, [0])]))  # a sequence the worker never saw
-    err = sched.recv()
-    assert isinstance(err, WorkerError) and "99" in err.message
+    res = _result(sched)
+    assert res.step == 0 and res.failed == [99] and "99" in res.error and not res.seq_ids
+    bad_ids = TokenRef(ids=[1, ready.vocab_size + 5])
+    sched.send(Plan(1, [SeqStep(1, 0, 2, [0])], [NewSeq(1, bad_ids, GREEDY)]))
+    res = _result(sched)
+    assert res.failed == [1] and "vocabulary" in res.error.lower() or "outside" in res.error
+    sched.xpub.send(b"\x93not a plan")  # undecodable: refused, counted, not fatal
+    good = TokenRef(ids=[5, 6, 7])
+    sched.send(Plan(2, [SeqStep(2, 0, 3, [1]), SeqStep(3, 0, 9, [2])],
+                    [NewSeq(2, good, GREEDY), NewSeq(3, good, GREEDY)]))  # fmt: skip
+    res = _result(sched)  # seq 3 asks past its 3 tokens: the step fails for both
+    assert res.failed == [2, 3] and res.rejected_total == 1
+    # A step planned before the scheduler saw the failure skips the failed sequences.
+    sched.send(Plan(3, [SeqStep(2, 3, 1), SeqStep(4, 0, 3, [3])], [NewSeq(4, good, GREEDY)]))
+    res = _result(sched)
+    assert res.seq_ids == [4] and len(res.tokens.ids or [0]) == 1 and not res.failed
+    sched.send(Plan(4, [SeqStep(4, 3, 1)], finished=[2, 3]))
+    res = _result(sched)
+    assert res.seq_ids == [4]
+    assert proc.is_alive()
+    sched.send(Shutdown())
     proc.join(60)
-    assert proc.exitcode == 1
+    assert proc.exitcode == 0
+
+
+def test_sigterm_drains_until_shutdown(worker):
+    """SIGTERM alone does not stop a worker: it serves plans until the scheduler's Shutdown
+    (systemd signals every process at once; the scheduler drains first)."""
+    config, sched, _, proc, _ = worker
+    os.kill(proc.pid, signal.SIGTERM)
+    sched.send(Plan(0, [SeqStep(0, 0, 3, [0])], [NewSeq(0, TokenRef(ids=[5, 6, 7]), GREEDY)]))
+    res = _result(sched)
+    assert res.seq_ids == [0] and not res.failed
+    sched.send(Shutdown())
+    proc.join(60)
+    assert proc.exitcode == 0
     assert not _shm_exists(config.ipc.sampled_shm_name)
 
 
-def test_sigterm_exits_cleanly(worker):
+def test_a_second_sigterm_exits_at_once(worker):
     config, _, _, proc, _ = worker
+    os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGTERM)
     proc.join(60)
     assert proc.exitcode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +61,21 @@ class TensorParallel:
         return self.rank * q, q, self.rank * num_kv_heads // self.world_size, 1
 
 
-def init_distributed(world_size: int, rank: int, init_addr: str, device: torch.device) -> None:
-    """Join the process group: gloo on the CPU, nccl on CUDA, rendezvous at tcp://init_addr."""
+def init_distributed(
+    world_size: int, rank: int, init_addr: str, device: torch.device, timeout: float = 300.0
+) -> None:
+    """Join the process group: gloo on the CPU, nccl on CUDA, rendezvous at tcp://init_addr.
+    A collective (and the rendezvous) that waits `timeout` seconds for another rank fails:
+    gloo raises, nccl's watchdog ends the process; either way the scheduler hears of it."""
     if world_size <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=f"tcp://{init_addr}", world_size=world_size, rank=rank
+        backend,
+        init_method=f"tcp://{init_addr}",
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout),
     )

@@ -3,6 +3,19 @@
 The launcher starts one fresh process per tensor-parallel rank and calls
 `run_worker(EngineConfig.from_json(text), rank)` in it; the return value is
 the process exit code.
+
+A step that fails fails only its requests: rank 0 answers with a StepResult
+whose `failed` lists the plan's sequences, the runner forgets them, and the
+worker serves on. That holds for a `PlanError` (found before any collective,
+on every rank alike) at any tensor-parallel size, and for any other exception
+with one rank; with several, another rank may be waiting in a collective, so
+the state is unrecoverable and the worker says so (WorkerError) and exits.
+A CUDA error other than running out of memory poisons the device: also fatal.
+
+SIGTERM does not stop a worker by itself: it serves on until the scheduler's
+Shutdown (the scheduler drains first), the scheduler's death, or
+`shutdown_timeout + SIGTERM_GRACE_S`, so that a SIGTERM sent to every process at
+once (systemd's way) still lets in-flight requests finish.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import sys
 import time
 import traceback
 
+import msgspec
 import torch
 import zmq
 
@@ -20,7 +34,6 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     Codec,
     FromWorker,
-    Plan,
     Shutdown,
     StepResult,
     TokenRef,
@@ -28,12 +41,14 @@ from subway.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
+from subway.ipc.peers import this_host
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import Sockets
 from subway.worker.parallel import init_distributed
-from subway.worker.runner import ModelRunner, StepOutput, resolve_device
+from subway.worker.runner import ModelRunner, PlanError, StepOutput, resolve_device
 
 SAMPLED_SLOTS = 8  # rank 0 writes step N's ids to slot N % 8 of its sampled-token buffer
+SIGTERM_GRACE_S = 15.0  # beyond shutdown_timeout, after SIGTERM, before exiting regardless
 _POLL_MS = 100
 
 
@@ -42,6 +57,8 @@ class _Stop:
 
     def __init__(self) -> None:
         self.requested = False
+        self.at = 0.0  # time.monotonic() of the first signal
+        self.count = 0
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -56,7 +73,14 @@ class _Stop:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if not self.requested:
+            self.at = time.monotonic()
         self.requested = True
+        self.count += 1
+
+    def expired(self, grace: float) -> bool:
+        """A second signal, or `grace` seconds since the first."""
+        return self.requested and (self.count > 1 or time.monotonic() - self.at > grace)
 
 
 def run_worker(config: EngineConfig, rank: int) -> int:
@@ -82,6 +106,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 rank,
                 config.parallel.dist_init_addr,
                 resolve_device(config.model.device, rank),
+                config.parallel.collective_timeout,
             )
         runner = ModelRunner(config, rank, world)
         if rank == 0 and config.ipc.use_shm:
@@ -98,6 +123,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                     vocab_size=runner.vocab_size,
                     eos_token_ids=runner.eos_token_ids,
                     sampled_shm=sampled.name if sampled is not None else None,
+                    host=this_host(),
                 )
             )
         )
@@ -107,25 +133,44 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        while not stop.requested:
+        grace = config.server.shutdown_timeout + SIGTERM_GRACE_S
+        rejected = 0
+        while not stop.expired(grace):
             events = dict(poller.poll(_POLL_MS))
             if monitor in events:
                 monitor.recv_multipart()
                 print(f"subway worker {rank}: the scheduler disconnected; exiting", file=sys.stderr)
-                return 1
+                return 0 if stop.requested else 1
             if sub not in events:
                 continue
-            msg = codec_in.decode(sub.recv())
+            try:
+                msg = codec_in.decode(sub.recv())
+            except msgspec.DecodeError as e:
+                rejected += 1
+                if rejected == 1:  # once: a flood must not flood the log too
+                    print(f"subway worker {rank}: refused a malformed plan: {e}", file=sys.stderr)
+                continue
             if isinstance(msg, Shutdown):
                 return 0
-            assert isinstance(msg, Plan)
             received = time.perf_counter()
-            out = runner.execute(msg)
+            try:
+                out = runner.execute(msg)
+            except Exception as e:
+                if not recoverable(e, world):
+                    raise
+                traceback.print_exc()
+                failed = runner.drop(msg)
+                out = None
+                error = f"{type(e).__name__}: {e}"
             done = time.perf_counter()
             if rank == 0:
-                result = _result(msg.step, out, sampled, config.scheduler.max_num_seqs)
+                if out is None:
+                    result = StepResult(msg.step, [], TokenRef(ids=[]), failed=failed, error=error)
+                else:
+                    result = _result(msg.step, out, sampled, config.scheduler.max_num_seqs)
                 result.forward_time = done - received
                 result.idle_time = received - last_sent
+                result.rejected_total = rejected
                 push.send(codec_out.encode(result))
                 last_sent = time.perf_counter()
         return 0
@@ -148,10 +193,22 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             sub.disable_monitor()
             monitor.close(linger=0)
         sub.close()
+        socks.close()
         ctx.term()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         stop.restore()
+
+
+def recoverable(e: Exception, world: int) -> bool:
+    """Whether the worker can serve on after `e` failed a step (see the module docstring)."""
+    if isinstance(e, PlanError):
+        return True
+    if world > 1:
+        return False
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return "CUDA error" not in str(e) and "device-side assert" not in str(e)
 
 
 def _result(

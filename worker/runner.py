@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from subway.ipc.config import EngineConfig
+from subway.ipc.config import EngineConfig, SchedulerConfig
 from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels.attention import build_metadata, positions_and_slots
@@ -20,6 +20,12 @@ from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.sampler import Sampler, SampleRequest
+
+
+class PlanError(ValueError):
+    """A plan this worker cannot run as given (unknown sequence, positions past its tokens
+    or blocks, token ids outside the vocabulary). Found before any collective, on every
+    rank alike, so the step fails for its requests and the worker serves on."""
 
 
 @dataclass
@@ -53,6 +59,12 @@ class StepOutput:
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def logit_rows_worst_case(sched: SchedulerConfig, max_model_len: int) -> int:
+    """Rows of logits one step can compute at most: a sampled row per sequence plus a
+    prompt-logprob row per prefilled position, all within the step's token budget."""
+    return min(sched.max_num_batched_tokens, max_model_len)
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -100,7 +112,9 @@ class ModelRunner:
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}
+        self.failed: set[int] = set()  # dropped after a failed step; the scheduler ends them
         self._prompts: TokenBuffer | None = None
+        self._prompt_shm = config.ipc.prompt_shm_name  # until a plan names the frontend's
 
     # ------------------------------------------------------------------ setup
 
@@ -124,6 +138,7 @@ class ModelRunner:
     def _profile_peak(self) -> int:
         """Peak CUDA bytes of one step of the largest batch, run on a scratch KV cache."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        rows = logit_rows_worst_case(self.config.scheduler, self.max_model_len)
         blocks = -(-n // self.block_size)
         layers, heads, head_dim = self._kv_shape
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -136,60 +151,112 @@ class ModelRunner:
         md = build_metadata(qlens, ctx, table, slots, self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        sample = torch.arange(max(0, n - self.config.scheduler.max_num_seqs), n, device=self.device)
+        # Logits of every position: what prompt logprobs (echo + logprobs) can ask in one step.
+        sample = torch.arange(n - rows, n, device=self.device)
         hidden = self.model(ids, pos, md, caches, sample)
+        logits = self.model.compute_logits(hidden)
         # The sampler's worst case too: every row sorted for top-k/top-p, with logprobs.
         worst = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=5)
-        rows = [SampleRequest(worst, 0, [0], 1)] * len(sample)
-        Sampler(self.device)(self.model.compute_logits(hidden), rows)
+        num_sampled = min(rows, self.config.scheduler.max_num_seqs)
+        Sampler(self.device)(logits[:num_sampled], [SampleRequest(worst, 0, [0], 1)] * num_sampled)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, hidden
         torch.cuda.empty_cache()
         return peak
 
-    def _prompt_buffer(self, ref: TokenRef) -> TokenBuffer | None:
-        if ref.ids is None and self._prompts is None:
-            self._prompts = TokenBuffer.attach(self.config.ipc.prompt_shm_name)
-        return self._prompts
+    def _prompt_ids(self, ref: TokenRef) -> list[int]:
+        """A new sequence's prompt: inline, or read from the frontend's buffer (attached on
+        first use, and again whenever a plan names a new one). Checked against the vocabulary."""
+        if ref.ids is not None:
+            ids = list(ref.ids)
+        else:
+            if self._prompts is None:
+                try:
+                    self._prompts = TokenBuffer.attach(self._prompt_shm)
+                except (OSError, ValueError) as e:
+                    raise PlanError(f"cannot attach prompt buffer {self._prompt_shm}: {e}") from e
+            try:
+                ids = resolve(ref, self._prompts)
+            except ValueError as e:
+                raise PlanError(str(e)) from e
+        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise PlanError(f"a prompt of {len(ids)} ids with one outside [0, {self.vocab_size})")
+        return ids
 
-    def close(self) -> None:
+    def _use_prompt_buffer(self, name: str) -> None:
+        if name != self._prompt_shm:
+            self._close_prompts()
+            self._prompt_shm = name
+
+    def _close_prompts(self) -> None:
         if self._prompts is not None:
             self._prompts.close()
             self._prompts = None
+
+    def close(self) -> None:
+        self._close_prompts()
+
+    def drop(self, plan: Plan) -> list[int]:
+        """After a failed step: forget every sequence the plan touched (their KV is suspect);
+        the ids, which the scheduler ends with an error. Later steps for them are skipped
+        until a plan lists them as finished."""
+        ids = {s.seq_id for s in plan.seqs} | {s.seq_id for s in plan.new_seqs}
+        for sid in ids:
+            self.seqs.pop(sid, None)
+        self.prompt_lps.forget(list(ids))
+        self.failed |= ids
+        return sorted(ids)
 
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepOutput:
         seqs = self.seqs
+        if plan.prompt_shm:
+            self._use_prompt_buffer(plan.prompt_shm)
         for sid in plan.finished:
             seqs.pop(sid, None)
+        if self.failed:
+            self.failed.difference_update(plan.finished)
         if self.prompt_lps.active:
             self.prompt_lps.forget(plan.finished)
         for sid in plan.preempted:
             if sid in seqs:
                 seqs[sid].block_table.clear()
         for ns in plan.new_seqs:
-            ids = resolve(ns.prompt, self._prompt_buffer(ns.prompt))
+            ids = self._prompt_ids(ns.prompt)
             seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling)
             if self.rank == 0 and ns.sampling.prompt_logprobs is not None:
                 self.prompt_lps.add(ns.seq_id, ns.sampling, len(ids))
-        if not plan.seqs:
+        steps = plan.seqs
+        if self.failed:  # steps planned before the scheduler saw the failure
+            steps = [s for s in steps if s.seq_id not in self.failed]
+        if not steps:
             return StepOutput([], [])
 
-        n = len(plan.seqs)
+        n = len(steps)
         qlens = np.empty(n, dtype=np.int64)
         ctx = np.empty(n, dtype=np.int64)
         input_ids: list[int] = []
         states: list[SeqState] = []
-        for i, step in enumerate(plan.seqs):
-            st = seqs[step.seq_id]
+        num_blocks = self.num_blocks
+        for i, step in enumerate(steps):
+            st = seqs.get(step.seq_id)
+            if st is None:
+                raise PlanError(f"step {plan.step}: unknown seq {step.seq_id}")
             if step.new_blocks:
+                if min(step.new_blocks) < 0 or max(step.new_blocks) >= num_blocks:
+                    raise PlanError(f"step {plan.step}: a block id outside [0, {num_blocks})")
                 st.block_table.extend(step.new_blocks)
             end = step.start_pos + step.num_tokens
-            if end > len(st.tokens) or end > len(st.block_table) * self.block_size:
-                raise RuntimeError(
+            if (
+                step.start_pos < 0
+                or step.num_tokens < 1
+                or end > len(st.tokens)
+                or end > len(st.block_table) * self.block_size
+            ):
+                raise PlanError(
                     f"step {plan.step}: seq {step.seq_id} asks for positions up to {end} but the "
                     f"worker has {len(st.tokens)} tokens and {len(st.block_table)} blocks"
                 )
@@ -203,12 +270,12 @@ class ModelRunner:
         for i, st in enumerate(states):
             tables[i, : len(st.block_table)] = st.block_table
         positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
-        sampling = [i for i, step in enumerate(plan.seqs) if step.sample]
+        sampling = [i for i, step in enumerate(steps) if step.sample]
         dev = self.device
         graphs = self.graphs
         plp_idx, plp_slices = None, None  # prompt-logprob rows: rank 0, prefills that asked
         if self.rank == 0 and self.prompt_lps.active:
-            plp_idx, plp_slices = self.prompt_lps.rows(plan.seqs, qlens)
+            plp_idx, plp_slices = self.prompt_lps.rows(steps, qlens)
         if (
             graphs is not None
             and not plp_slices
@@ -252,7 +319,7 @@ class ModelRunner:
 
         for i, tok in zip(sampling, tokens, strict=True):
             states[i].tokens.append(tok)
-        result = StepOutput([plan.seqs[i].seq_id for i in sampling], tokens)
+        result = StepOutput([steps[i].seq_id for i in sampling], tokens)
         if out is not None:
             result.logprobs, result.top_ids, result.top_logprobs = (
                 out.logprobs, out.top_ids, out.top_logprobs,

@@ -1,0 +1,219 @@
+"""The frontend's link to the scheduler: two sockets, and what they tell of the engine's health.
+
+It pushes `ToScheduler` messages to `config.ipc.scheduler_addr` and binds a
+PULL at `config.ipc.frontend_addr` for `ToFrontend` messages. Its state:
+`info` (EngineReady), `error`, `stats` (the latest EngineStats) and the time
+of the last message (every step's deltas, or the idle heartbeat). Token
+deltas go to its `on_deltas`; a lost engine (an EngineError, the scheduler's
+death, or `fail_after` seconds of silence) to its `on_lost`.
+
+The scheduler is known by the pid and host of its EngineReady: a disconnect
+on the bound socket (which any port probe causes) counts only if that process
+has died. The link sends a FrontendHello at start, naming this frontend's
+prompt buffer, and a FrontendAlive every `FRONTEND_HEARTBEAT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from subway.frontend.errors import public_reason
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import (
+    FRONTEND_HEARTBEAT_S,
+    Codec,
+    Deltas,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    FrontendAlive,
+    FrontendHello,
+    RequestDelta,
+    ToFrontend,
+    ToScheduler,
+)
+from subway.ipc.peers import process_alive, this_host
+from subway.ipc.sockets import Sockets, cleanup_ipc
+
+log = logging.getLogger("subway.frontend")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve this request: not ready, failed, silent, or shutting down."""
+
+
+class SchedulerLink:
+    """The two sockets to the scheduler, and what they tell of its health."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_deltas: Callable[[list[RequestDelta]], None],
+        on_lost: Callable[[EngineDeadError], None],
+        heartbeat_timeout: float = 3.0,
+        fail_after: float = 30.0,
+    ) -> None:
+        """`heartbeat_timeout`: silence after which `healthy` turns false;
+        `fail_after`: silence after which `on_lost` is told (every half second, while it lasts)."""
+        self.config = config
+        self.prompt_shm = ""  # this frontend's prompt buffer, named in its hello
+        self.on_deltas = on_deltas
+        self.on_lost = on_lost
+        self.heartbeat_timeout = heartbeat_timeout
+        self.fail_after = fail_after
+        self.info: EngineReady | None = None
+        self.stats: EngineStats | None = None
+        self.error: str | None = None
+        self._last_seen = 0.0
+        self._codec_out = Codec(ToScheduler)
+        self._codec_in = Codec(ToFrontend)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.on_new_scheduler: Callable[[], None] = lambda: None
+
+    @property
+    def ready(self) -> bool:
+        """The scheduler said EngineReady and has not reported an error since."""
+        return self.info is not None and self.error is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and time.monotonic() - self._last_seen < self.heartbeat_timeout
+
+    @property
+    def is_open(self) -> bool:
+        return self._push is not None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._pull is not None:
+            return
+        ipc = self.config.ipc
+        self._ctx = zmq.asyncio.Context()
+        socks = self._socks = Sockets(self._ctx, ipc)
+        self._pull = socks.bind(zmq.PULL, ipc.frontend_addr)
+        self._push = socks.connect(zmq.PUSH, ipc.scheduler_addr, SNDHWM=0)
+        self._hello()
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="subway-engine-reader"),
+            asyncio.create_task(self._watchdog(), name="subway-engine-watchdog"),
+            asyncio.create_task(self._watch_connection(), name="subway-engine-monitor"),
+        ]
+
+    async def stop_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        """Close the sockets. Idempotent."""
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._pull is not None:
+            cleanup_ipc(self.config.ipc.frontend_addr)
+        self._push = self._pull = None
+        if self._ctx is not None:
+            self._socks.close()  # the ZAP handler's socket, before term
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------ messages
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if self._push is None:
+            raise EngineDeadError("the engine client is closed")
+        fut = self._push.send(self._codec_out.encode(msg), zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            raise EngineDeadError(f"cannot reach the scheduler: {fut.exception()}")
+
+    def _hello(self) -> None:
+        self.send(FrontendHello(pid=os.getpid(), host=this_host(), prompt_shm=self.prompt_shm))
+
+    def _handle(self, msg) -> None:
+        self._last_seen = time.monotonic()
+        if isinstance(msg, Deltas):
+            self.on_deltas(msg.deltas)
+            if msg.stats is not None:
+                self.stats = msg.stats
+        elif isinstance(msg, EngineReady):
+            if self.info is not None and (self.info.pid, self.info.host) != (msg.pid, msg.host):
+                self.on_new_scheduler()
+            self.info = msg
+            self.error = None
+            log.info("engine ready: %s", msg)
+        elif isinstance(msg, EngineError):
+            log.error("engine error: %s", msg.message)
+            self.error = public_reason(msg.message)  # /health and error bodies show this
+            self.on_lost(EngineDeadError(f"engine error: {self.error}"))
+
+    async def _read_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = self._codec_in.decode(data)
+            except msgspec.DecodeError as e:
+                log.error("undecodable message from the scheduler: %s", e)
+                continue
+            self._handle(msg)
+
+    async def _watch_connection(self) -> None:
+        """Notice at once when the scheduler's connection drops (its process died, say).
+
+        The kernel closes a dead process's sockets, so ZeroMQ reports the
+        disconnect immediately: no heartbeat period to wait out. A scheduler
+        that connects again is greeted, and answers with EngineReady.
+        """
+        assert self._pull is not None
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        monitor = self._pull.get_monitor_socket(events)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                info = self.info
+                if event == zmq.EVENT_DISCONNECTED and info is not None and self.error is None:
+                    if process_alive(info.pid, info.host) is False:
+                        self.error = "the scheduler died"
+                        log.error("engine error: %s (pid %d)", self.error, info.pid)
+                        self.on_lost(EngineDeadError(self.error))
+                    # else a stray connection closed (a port probe): the heartbeat decides
+                elif event == zmq.EVENT_ACCEPTED and self.error is not None:
+                    self._hello()
+        finally:
+            if self._pull is not None:
+                self._pull.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _watchdog(self) -> None:
+        """Send the heartbeat; tell `on_lost` when a ready scheduler has been silent for
+        `fail_after`."""
+        tick = min(0.5, self.fail_after / 4, FRONTEND_HEARTBEAT_S)
+        last_beat = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - last_beat >= FRONTEND_HEARTBEAT_S:
+                with contextlib.suppress(EngineDeadError):
+                    self.send(FrontendAlive(pid=os.getpid(), host=this_host()))
+                last_beat = now
+            silent = now - self._last_seen
+            if self.info is not None and silent > self.fail_after:
+                self.on_lost(EngineDeadError(f"no word from the scheduler for {silent:.1f} s"))

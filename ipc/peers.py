@@ -1,0 +1,40 @@
+"""Who a peer is, and whether it still lives: judged by identity, never by a socket event.
+
+A disconnect on a bound tcp:// port says only that *some* connection closed: a
+port scanner or a load balancer's probe causes one too. So a process that
+sees one asks whether the peer it knows (by pid, on this host) has died; a
+peer on another host is judged by its heartbeat alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def process_alive(pid: int, host: str) -> bool | None:
+    """Whether process `pid` on `host` lives; None when that cannot be told from here
+    (another host, or no pid known)."""
+    if pid <= 0 or (host and host != this_host()):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    """A dead child its parent has not reaped yet still answers kill(0): read its state."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
