@@ -224,7 +224,7 @@ class ChoiceGroup:
         """`on_event` sees every event `events()` yields (the access record notes them)."""
         self.on_event = on_event
         self.streams: list[RequestStream] = []
-        engine.check_capacity(len(specs))
+        engine.check_capacity(len(specs), sum(len(s.prompt_ids) for s in specs))
         try:
             for s in specs:
                 self.streams.append(

@@ -22,19 +22,23 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from subway.frontend.admission import check_fan_out
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
 
 R = TypeVar("R", bound=BaseModel)
-DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's; a chat's is the rest of the context
+DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's; a chat's is `Limits.chat_max_tokens`
 
 
 @dataclass(frozen=True)
 class Limits:
     max_model_len: int
     vocab_size: int
+    # max_tokens of a chat request that names none (--default-max-tokens), at most the
+    # context left; None: the context left (as vLLM).
+    chat_max_tokens: int | None = None
 
 
 @dataclass
@@ -108,9 +112,11 @@ _RESERVED_TEMPLATE_ARGS = frozenset(
 
 
 def check_request(req: SamplingRequest, config: EngineConfig) -> None:
-    """What the HTTP endpoints refuse first: another model, a completion's `suffix`, a chat
-    template from the request (unless --trust-request-chat-template: a template is code)."""
+    """What the HTTP endpoints refuse first: another model, a completion's `suffix`, more
+    sequences than --max-seqs-per-request, a chat template from the request (unless
+    --trust-request-chat-template: a template is code)."""
     check_model(req, config)
+    check_fan_out(req, config)
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if isinstance(req, ChatCompletionRequest):
@@ -147,7 +153,9 @@ def client_scheduling(req: R, config: EngineConfig) -> tuple[R, list[str]]:
 
 def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
     prompt = chat_prompt(req, tokenizer, limits)
-    max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt.ids), limits, None)
+    max_tokens = resolve_max_tokens(
+        req.requested_max_tokens, len(prompt.ids), limits, limits.chat_max_tokens
+    )
     top = (req.top_logprobs or 0) if req.logprobs else None
     return Job([prompt], [sampling_params(req, max_tokens, top, limits)])
 

@@ -10,6 +10,11 @@ the way of streaming responses and of disconnect detection. In order:
 - a body larger than `max_body_bytes` (by Content-Length, or counted as it
   arrives): 413. A declared oversize body is read and dropped first (up to a
   bound) so that the client, still sending, sees the answer;
+- a body that has not all come `body_timeout` seconds after the headers: 408,
+  and the connection is closed (`Connection: close`). Once the body is in,
+  `receive` has no deadline (it then only waits for the client to go away). The
+  headers' own timeout and the connection limit are the protocol's
+  (`http_limits.py`);
 - one structured access-log line per request, on logger `subway.access`:
   method, path, status, id, prompt and output tokens, TTFT, latency, finish
   reasons (JSON). `/health` and `/metrics` log at DEBUG, the rest at INFO.
@@ -24,6 +29,7 @@ the same record and fields.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hmac
 import json
@@ -98,11 +104,14 @@ class GuardMiddleware:
         api_key: str = "",
         max_body_bytes: int = MAX_BODY_BYTES,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        body_timeout: float = 0.0,
     ) -> None:
+        """`body_timeout`: seconds the body may take after the headers (0: no limit)."""
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body = max_body_bytes
         self.max_headers = max_header_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -118,13 +127,20 @@ class GuardMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        receive = self._timed(receive)
         try:
             error = self._check(scope)
             if error is None:
                 length = _content_length(scope)
                 if length is not None and length > self.max_body:
-                    await _drain(receive, min(length, DRAIN_LIMIT))
-                    error = APIError(413, f"the request body is larger than {self.max_body} bytes")
+                    try:
+                        await _drain(receive, min(length, DRAIN_LIMIT))
+                    except APIError as e:  # too slow even to drain: say so and close
+                        error = e
+                    else:
+                        error = APIError(
+                            413, f"the request body is larger than {self.max_body} bytes"
+                        )
             if error is not None:
                 await _send_error(send_wrapper, error)
                 return
@@ -153,6 +169,30 @@ class GuardMiddleware:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         return None
+
+    def _timed(self, receive):
+        """`receive` under the body's deadline (408) until the body's last part has come."""
+        timeout = self.body_timeout
+        deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
+
+        async def wrapped():
+            nonlocal deadline
+            if deadline is None:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(
+                    408,
+                    f"the request body did not arrive within {timeout:g} s",
+                    headers={"Connection": "close"},
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                deadline = None  # all in: from now on receive waits for a disconnect
+            return message
+
+        return wrapped
 
     def _limited(self, receive):
         seen = 0

@@ -4,7 +4,8 @@ their routes (`add_generation_routes`).
 One request goes through the same stages whichever the endpoint:
 
 1. `inputs.py`: the body is parsed and checked, and becomes a `Job` (prompt ids
-   and sampling parameters);
+   and sampling parameters); parsing and the job (chat template, tokenization)
+   run off the event loop, time-limited (`admission.Offload`);
 2. `admit`: the job fans out into one engine request per choice, all submitted
    at once (`choices.py`, which reaches the scheduler through `engine_client.py`);
 3. the choices' events become the API's bodies (a `View`: `ChatView`,
@@ -28,12 +29,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from subway.frontend.admission import Offload, check_job_size
 from subway.frontend.choices import (
     ChoiceEvent,
     ChoiceGroup,
@@ -86,12 +88,20 @@ class ServingContext:
     engine: EngineClient
     tokenizer: object
     metrics: Metrics | None = None
+    offload: Offload = field(init=False)  # parsing, chat templates, tokenization
+
+    def __post_init__(self) -> None:
+        self.offload = Offload(self.config.server.template_timeout)
 
     def limits(self) -> Limits:
         link = self.engine.link
         if link.info is None or not link.ready:
             raise APIError(503, link.error or "the engine is not ready yet")
-        return Limits(max_model_len=link.info.max_model_len, vocab_size=link.info.vocab_size)
+        return Limits(
+            max_model_len=link.info.max_model_len,
+            vocab_size=link.info.vocab_size,
+            chat_max_tokens=self.config.server.default_max_tokens or None,
+        )
 
     def timeout(self, requested: float | None) -> float | None:
         """The request's time limit: its own `timeout`, at most the server's (0: none)."""
@@ -107,12 +117,15 @@ def new_id(prefix: str) -> str:
 
 async def serve(ctx: ServingContext, api: API, request: Request, record: AccessRecord) -> Response:
     """One HTTP request of `api`, start to end; `record` is its access-log record."""
-    req = parse(api.request, await request.body())
+    body = await request.body()
+    req = await ctx.offload.run(parse, api.request, body, what="parsing the request body")
     check_request(req, ctx.config)
     req, ignored = client_scheduling(req, ctx.config)
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else None
     request_id = new_id(api.id_prefix)
-    job = api.prepare(req, ctx.tokenizer, ctx.limits())
+    job = await ctx.offload.run(
+        api.prepare, req, ctx.tokenizer, ctx.limits(), what=api.preparing, param=api.input
+    )
     group = admit(ctx, req, request_id, job, record, request)
     view = api.view(req, job, request_id, ctx.config.model.served_model_name, ctx.tokenizer)
     if req.stream:
@@ -141,6 +154,8 @@ def admit(
     record.prompt_tokens = job.prompt_tokens
     if not job.run_engine:
         return None
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    check_job_size(job.prompt_tokens, req.n, ctx.config, param)
     try:
         return ChoiceGroup(
             ctx.engine,
@@ -393,10 +408,14 @@ class API:
     id_prefix: str
     prepare: Callable[..., Job]  # (request, tokenizer, limits): the engine's work
     view: type[View]  # its bodies
+    input: str  # the field that holds the prompt
+    preparing: str  # what `prepare` does, as an error message says it
 
 
-CHAT = API(ChatCompletionRequest, "chatcmpl", chat_job, ChatView)
-COMPLETIONS = API(CompletionRequest, "cmpl", completion_job, CompletionView)
+CHAT = API(ChatCompletionRequest, "chatcmpl", chat_job, ChatView, "messages",
+           "rendering the chat template and tokenizing")  # fmt: skip
+COMPLETIONS = API(CompletionRequest, "cmpl", completion_job, CompletionView, "prompt",
+                  "tokenizing the prompt")  # fmt: skip
 
 
 def add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -1,7 +1,9 @@
 """OpenAI API request and response models (completions, chat completions, tokenize).
 
-Requests reject NaN and infinities, out-of-range sampling values and unknown
-content part types at parse time; checks that need the engine (context length,
+Requests reject NaN and infinities, out-of-range sampling values, unknown
+content part types, values of the wrong JSON type (`"stream": "yes"`: strict
+mode) and stop strings beyond `MAX_STOP_STRINGS` of `MAX_STOP_CHARS` characters
+each (each is matched against the text after every token) at parse time; checks that need the engine (context length,
 vocabulary) live in `inputs.py`. Unknown request fields are ignored, as the
 OpenAI clients send some (`user`, ...) that change nothing here. Integers are
 bounded so that every accepted value fits the engine's 64-bit fields.
@@ -25,6 +27,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # stop strings of one request at most
+MAX_STOP_CHARS = 256  # characters of one stop string at most
 
 # ---------------------------------------------------------------- requests
 
@@ -68,8 +72,11 @@ class SamplingRequest(_Request):
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, v):
-        if isinstance(v, list) and len(v) > 64:
-            raise ValueError("at most 64 stop strings")
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("stop_token_ids")
@@ -100,6 +107,11 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the request (each runs `n` choices)."""
+        return 1
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -118,6 +130,11 @@ class CompletionRequest(SamplingRequest):
         if isinstance(v, list) and len(v) > 1024 and not isinstance(v[0], int):
             raise ValueError("at most 1024 prompts in a batch")
         return v
+
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
     @model_validator(mode="after")
     def _checks(self):

@@ -3,8 +3,9 @@
 `build_app` makes the FastAPI app from a config, an `EngineClient` and a
 tokenizer (nothing global); the app starts and closes the client (and the
 native ZMQ endpoint) in its lifespan, so their sockets live on the server's
-event loop. `GuardMiddleware` wraps it all (API key, size limits, access log).
-`run_frontend` is the process main.
+event loop. `GuardMiddleware` wraps it all (API key, size limits, body timeout,
+access log); below it, uvicorn speaks HTTP through `http_limits.guarded_h11`
+(header timeout, connection limit). `run_frontend` is the process main.
 
 Routes: `/v1/completions` and `/v1/chat/completions` (added by
 `pipeline.add_generation_routes`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from subway import __version__
 from subway.frontend.engine_client import EngineClient
 from subway.frontend.errors import APIError, from_validation_error
+from subway.frontend.http_limits import guarded_h11
 from subway.frontend.inputs import chat_prompt, check_model, check_token_ids, encode, parse
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
@@ -91,6 +93,7 @@ def build_app(
         api_key=config.server.api_key,
         max_body_bytes=max_body_bytes,
         max_header_bytes=max_header_bytes,
+        body_timeout=config.server.body_timeout,
     )
 
     @app.exception_handler(APIError)
@@ -140,7 +143,8 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
-        req = parse(TokenizeRequest, await request.body())
+        body = await request.body()
+        req = await ctx.offload.run(parse, TokenizeRequest, body, what="parsing the request body")
         check_model(req, config)
         limits = ctx.limits()
         if req.messages is not None:
@@ -150,9 +154,16 @@ def build_app(
                 )
             except ValidationError as e:
                 raise from_validation_error(e) from e
-            ids = chat_prompt(chat, tok, limits, check_length=False).ids
+            ids = await ctx.offload.run(
+                lambda: chat_prompt(chat, tok, limits, check_length=False).ids,
+                what="rendering the chat template and tokenizing",
+                param="messages",
+            )
         else:
-            ids = encode(tok, req.prompt, req.add_special_tokens, "prompt")
+            ids = await ctx.offload.run(
+                encode, tok, req.prompt, req.add_special_tokens, "prompt",
+                what="tokenizing the prompt", param="prompt",
+            )  # fmt: skip
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs
@@ -182,7 +193,7 @@ def run_frontend(config: EngineConfig) -> int:
             host=config.server.host,
             port=config.server.port,
             loop="uvloop",
-            http="h11",
+            http=guarded_h11(config.server.header_timeout, config.server.max_connections),
             h11_max_incomplete_event_size=4 * MAX_HEADER_BYTES,
             log_level="warning",
             access_log=False,
