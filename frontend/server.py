@@ -222,7 +222,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before it stops: on SIGTERM/SIGINT new requests get 503 and
     `/health` says draining, in-flight requests may finish for `drain_timeout` seconds,
     then the rest are aborted (their streams end with finish_reason "abort") and the
-    server stops. A second signal stops it at once."""
+    server stops. A second SIGINT stops it at once; a second SIGTERM changes nothing (the
+    launcher and systemd may both send one)."""
 
     def __init__(self, engine: EngineClient, drain_timeout: float, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -235,6 +236,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.engine.draining and sig == signal.SIGTERM:
+            return
         if self.engine.draining or self._loop is None:
             super().handle_exit(sig, frame)
             return

@@ -22,7 +22,7 @@ what fails is refused and counted in `ipc_rejected_total`.
 
 SIGTERM drains: the loop serves on until nothing is left to do and the
 frontend has gone (or been quiet for `DRAIN_QUIET_S`), or until
-`shutdown_timeout + DRAIN_GRACE_S`; a second signal stops it at once.
+`shutdown_timeout + DRAIN_GRACE_S`; a second SIGINT stops it at once.
 """
 
 from __future__ import annotations
@@ -119,11 +119,12 @@ class SchedulerLoop:
         self.exit_code: int | None = None
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
-        """First signal: drain. Second: stop now."""
+        """First signal: drain. A second SIGINT: stop now (a second SIGTERM changes nothing:
+        the launcher and systemd may both send one)."""
         if self.drain_since is None:
             self.drain_since = time.monotonic()
             log.info("draining: serving what is in flight, then exiting")
-        else:
+        elif signum != signal.SIGTERM:
             self.stop = True
 
     def _drained(self) -> bool:

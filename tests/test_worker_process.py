@@ -183,10 +183,15 @@ def test_sigterm_drains_until_shutdown(worker):
     assert not _shm_exists(config.ipc.sampled_shm_name)
 
 
-def test_a_second_sigterm_exits_at_once(worker):
-    config, _, _, proc, _ = worker
+def test_sigint_after_sigterm_exits_at_once(worker):
+    """A second SIGTERM changes nothing (systemd and the launcher may both send one); a
+    SIGINT after it (Ctrl-C) stops the worker without waiting for the scheduler."""
+    config, sched, _, proc, _ = worker
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGTERM)
+    sched.send(Plan(0, [SeqStep(0, 0, 3, [0])], [NewSeq(0, TokenRef(ids=[5, 6, 7]), GREEDY)]))
+    assert _result(sched).seq_ids == [0]  # still serving
+    os.kill(proc.pid, signal.SIGINT)
     proc.join(60)
     assert proc.exitcode == 0
     assert not _shm_exists(config.ipc.sampled_shm_name)

@@ -75,11 +75,13 @@ class _Stop:
     def _handle(self, signum, frame) -> None:
         if not self.requested:
             self.at = time.monotonic()
+        elif signum == signal.SIGTERM:
+            return  # the launcher and systemd may both send one
         self.requested = True
         self.count += 1
 
     def expired(self, grace: float) -> bool:
-        """A second signal, or `grace` seconds since the first."""
+        """A second SIGINT, or `grace` seconds since the first signal."""
         return self.requested and (self.count > 1 or time.monotonic() - self.at > grace)
 
 
