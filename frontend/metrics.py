@@ -51,11 +51,13 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
 
 
 class _EngineCollector:
-    """The engine's figures at scrape time, from the latest EngineStats (zeros before any)."""
+    """The engine's figures at scrape time, from the latest EngineStats (zeros before any),
+    and the messages refused anywhere on the internal plane and at the ZMQ endpoint."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, rejected_here: Callable[[], int]) -> None:
         self.model_name = model_name
         self.stats = EngineStats()
+        self.rejected_here = rejected_here
 
     def collect(self) -> Iterator[Metric]:
         s, labels = self.stats, [self.model_name]
@@ -67,16 +69,25 @@ class _EngineCollector:
             c = CounterMetricFamily(f"subway:{name}", doc, labels=["model_name"])
             c.add_metric(labels, value(s))
             yield c
+        c = CounterMetricFamily(
+            "subway:ipc_rejected_messages",
+            "Messages refused as malformed or unexpected: by the scheduler, the workers, "
+            "the frontend's link and its native ZMQ endpoint.",
+            labels=["model_name"],
+        )
+        c.add_metric(labels, s.ipc_rejected_total + self.rejected_here())
+        yield c
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, rejected_here: Callable[[], int] = lambda: 0) -> None:
+        """`rejected_here`: messages this frontend refused (its link, its ZMQ endpoint)."""
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, rejected_here)
         r.register(self._engine)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

@@ -75,6 +75,7 @@ class SchedulerLink:
         self.stats: EngineStats | None = None
         self.error: str | None = None
         self._last_seen = 0.0
+        self.rejected = 0  # undecodable messages from the scheduler's side
         self._codec_out = Codec(ToScheduler)
         self._codec_in = Codec(ToFrontend)
         self._ctx: zmq.asyncio.Context | None = None
@@ -171,7 +172,9 @@ class SchedulerLink:
             try:
                 msg = self._codec_in.decode(data)
             except msgspec.DecodeError as e:
-                log.error("undecodable message from the scheduler: %s", e)
+                self.rejected += 1
+                if self.rejected == 1:  # once: a flood must not flood the log too
+                    log.error("refused an undecodable message on the scheduler link: %s", e)
                 continue
             self._handle(msg)
 

@@ -69,7 +69,10 @@ def build_app(
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> FastAPI:
     """The HTTP app. `tokenizer` defaults to the one `config` names."""
-    metrics = Metrics(config.model.served_model_name)
+    metrics = Metrics(
+        config.model.served_model_name,
+        lambda: engine.link.rejected + (endpoint.rejected if endpoint is not None else 0),
+    )
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)
     address = config.client_address

@@ -351,6 +351,37 @@ def test_metrics(frontend):
     assert 'subway:request_success_total{finished_reason="stop",model_name="smol-test"}' in text
 
 
+def _rejected(c: httpx.Client) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        for s in family.samples:
+            if s.name == "subway:ipc_rejected_messages_total":
+                return s.value
+    raise AssertionError("no subway:ipc_rejected_messages_total")
+
+
+def test_refused_messages_are_counted_in_metrics(frontend):
+    """Garbage on the scheduler link and at the native ZMQ endpoint: refused, counted in
+    subway:ipc_rejected_messages_total, and the frontend serves on."""
+    ctx = zmq.Context()
+    try:
+        with frontend.client() as c:
+            before = _rejected(c)
+            link = connect(ctx, zmq.PUSH, frontend.config.ipc.frontend_addr)
+            link.send(b"\xc1 not a message")
+            dealer = connect(ctx, zmq.DEALER, frontend.config.client_address)
+            dealer.send_multipart([b"just one frame"])
+            assert dealer.poll(10_000), "the endpoint answered nothing"
+            dealer.recv_multipart()  # an error answer, not silence
+            assert frontend.fake.wait_for(lambda: _rejected(c) >= before + 2, 10)
+            assert c.post("/v1/completions", json={"prompt": "still here"}).status_code == 200
+        link.close(0)
+        dealer.close(0)
+    finally:
+        ctx.term()
+
+
 def test_completion_non_streaming(frontend):
     ids = _ids(frontend.tokenizer, "Hello world")
     with frontend.client() as c:

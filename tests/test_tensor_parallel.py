@@ -78,3 +78,42 @@ def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch
     assert rank0 == rank1  # rank 0 broadcast its samples
     expected = [tokens for tokens, _ in hf_greedy(path, prompts, MAX_NEW)]
     assert rank0 == expected
+
+
+def _stalling_rank(rank: int, addr: str, out_file: str) -> None:
+    """Rank 0 all-reduces; rank 1 joins the group and never does (a stopped peer)."""
+    import time
+
+    from subway.worker.parallel import init_distributed
+
+    init_distributed(2, rank, addr, torch.device("cpu"), timeout=2.0)
+    if rank == 1:
+        time.sleep(30)  # the stalled peer; killed by the test when rank 0 has answered
+        return
+    t0 = time.monotonic()
+    try:
+        torch.distributed.all_reduce(torch.ones(4))
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = f"raised {type(e).__name__}"
+    with open(out_file, "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.monotonic() - t0}, f)
+
+
+def test_a_collective_waiting_for_a_stalled_rank_times_out(tmp_path):
+    """--collective-timeout: a rank waiting for one that never comes raises (then the
+    worker reports the error), instead of hanging for torch's default of 30 minutes."""
+    import multiprocessing as mp
+
+    out = str(tmp_path / "outcome.json")
+    addr = f"127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_stalling_rank, args=(r, addr, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    procs[0].join(60)
+    procs[1].kill()
+    procs[1].join(10)
+    with open(out) as f:
+        got = json.load(f)
+    assert got["outcome"].startswith("raised") and got["seconds"] < 20, got

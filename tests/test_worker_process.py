@@ -22,7 +22,6 @@ from subway.ipc.messages import (
     StepResult,
     TokenRef,
     ToWorker,
-    WorkerError,
     WorkerReady,
 )
 from subway.ipc.shm import TokenBuffer
@@ -195,3 +194,38 @@ def test_sigint_after_sigterm_exits_at_once(worker):
     proc.join(60)
     assert proc.exitcode == 0
     assert not _shm_exists(config.ipc.sampled_shm_name)
+
+
+def test_the_memory_profile_covers_every_logit_row_a_step_can_ask():
+    """`echo` + `logprobs` ask a logit row per prompt position: the CUDA memory profile
+    must size for the most rows any step within the token budget can compute."""
+    import random
+
+    import numpy as np
+
+    from subway.worker.prompt_logprobs import PromptLogprobTracker
+    from subway.worker.runner import logit_rows_worst_case
+
+    config = EngineConfig.build(max_num_batched_tokens=96, max_num_seqs=8)
+    budget = config.scheduler.max_num_batched_tokens
+    bound = logit_rows_worst_case(config.scheduler, max_model_len=4096)
+    rng = random.Random(0)
+    worst = 0
+    for _ in range(300):
+        tracker, steps, left = PromptLogprobTracker(), [], budget
+        for sid in range(rng.randint(1, config.scheduler.max_num_seqs)):
+            if left == 0:
+                break
+            prompt_len = rng.randint(2, 300)
+            start = rng.randrange(prompt_len)
+            n = min(left, rng.randint(1, prompt_len - start))
+            left -= n
+            sample = start + n == prompt_len  # a last chunk samples
+            if rng.random() < 0.8:
+                tracker.add(sid, SamplingParams(prompt_logprobs=1), prompt_len)
+            steps.append(SeqStep(sid, start, n, sample=sample))
+        qlens = np.array([s.num_tokens for s in steps])
+        idx, _ = tracker.rows(steps, qlens)
+        worst = max(worst, len(idx) + sum(s.sample for s in steps))
+    assert worst <= bound
+    assert worst > budget * 0.9  # the random steps came near the bound: the check bites
