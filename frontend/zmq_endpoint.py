@@ -45,7 +45,7 @@ from subway.client.protocol import (
 )
 from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.inputs import client_scheduling, completion_job
+from subway.frontend.inputs import check_request, client_scheduling, completion_job
 from subway.frontend.logprobs import native_logprobs
 from subway.frontend.middleware import MAX_BODY_BYTES, AccessRecord, access_log, log_access
 from subway.frontend.pipeline import ServingContext, admit, engine_failure, new_id
@@ -207,7 +207,7 @@ class ClientEndpoint:
         status = 200
         group = None
         try:
-            group = self._admit(msg, record)
+            group = await self._admit(msg, record)
             async for out in native_outputs(group, rid, record.prompt_tokens, msg.stream):
                 self._send(identity, out)
         except zmq.ZMQError:
@@ -227,7 +227,7 @@ class ClientEndpoint:
                 group.close()
             self._log(rid, status, record, start)
 
-    def _admit(self, msg: GenerateRequest, record: AccessRecord) -> ChoiceGroup | None:
+    async def _admit(self, msg: GenerateRequest, record: AccessRecord) -> ChoiceGroup | None:
         ctx = self.ctx
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise APIError(400, "give exactly one of prompt and prompt_token_ids")
@@ -239,8 +239,11 @@ class ClientEndpoint:
             raise from_validation_error(e) from e
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             raise APIError(400, "one prompt per request", "prompt")
+        check_request(req, ctx.config)
         req, _ = client_scheduling(req, ctx.config)  # no headers here: dropped quietly
-        job = completion_job(req, ctx.tokenizer, ctx.limits())  # echo is ignored: it runs
+        job = await ctx.offload.run(  # tokenization off the event loop, under a time limit
+            completion_job, req, ctx.tokenizer, ctx.limits(), what="tokenizing", param="prompt"
+        )  # echo is ignored: it runs
         return admit(ctx, req, new_id("zmq"), job, record)
 
     @staticmethod
