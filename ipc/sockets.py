@@ -7,6 +7,7 @@ import stat
 
 import zmq
 
+from subway.ipc import curve
 from subway.ipc.config import IpcConfig
 
 
@@ -36,23 +37,59 @@ def _prepare(addr: str) -> None:
 class Sockets:
     """Makes one process's internal-plane sockets, all in one way: linger 0, every
     message bounded by `ipc.max_message_bytes` (ZMQ_MAXMSGSIZE: a larger one drops the
-    connection that sent it), and CurveZMQ on tcp:// when the config names a key file."""
+    connection that sent it), and CurveZMQ on every tcp:// address (`ipc/curve.py`): a
+    binding socket is a CURVE server whose ZAP handler admits only the engine's own key, a
+    connecting one authenticates with that key. A tcp:// address without a key file is
+    refused (ValueError naming --curve-key-file); ipc:// sockets are left as they are, in
+    their 0700 run folder. Call `close()` before `ctx.term()`: the ZAP handler, started
+    at the first tcp:// bind, holds a socket of the context."""
 
     def __init__(self, ctx: zmq.Context, ipc: IpcConfig) -> None:
         self.ctx = ctx
         self.ipc = ipc
+        self._keys: curve.KeyPair | None = None
+        self._auth: curve.Authenticator | None = None
 
     def _opts(self, opts: dict[str, int]) -> dict[str, int]:
         return {"MAXMSGSIZE": self.ipc.max_message_bytes, **opts}
 
+    def _keypair(self, addr: str) -> curve.KeyPair:
+        if self._keys is None:
+            self._keys = curve.engine_keys(self.ipc, addr)  # read once per process
+        return self._keys
+
     def bind(self, kind: int, addr: str, **opts: int) -> zmq.Socket:
-        return bind(self.ctx, kind, addr, **self._opts(opts))
+        if not curve.is_tcp(addr):
+            return bind(self.ctx, kind, addr, **self._opts(opts))
+        keys = self._keypair(addr)
+        if self._auth is None:  # before the bind, so that no handshake goes unchecked
+            self._auth = curve.Authenticator(self.ctx, keys.public)
+        server = {
+            "CURVE_SERVER": 1,
+            "CURVE_SECRETKEY": keys.secret,
+            "ZAP_DOMAIN": curve.ZAP_DOMAIN.encode(),
+        }
+        return bind(self.ctx, kind, addr, **self._opts(opts), **server)
 
     def connect(self, kind: int, addr: str, **opts: int) -> zmq.Socket:
-        return connect(self.ctx, kind, addr, **self._opts(opts))
+        if not curve.is_tcp(addr):
+            return connect(self.ctx, kind, addr, **self._opts(opts))
+        keys = self._keypair(addr)
+        client = {
+            "CURVE_SERVERKEY": keys.public,
+            "CURVE_PUBLICKEY": keys.public,
+            "CURVE_SECRETKEY": keys.secret,
+        }
+        return connect(self.ctx, kind, addr, **self._opts(opts), **client)
+
+    def close(self) -> None:
+        """Stop the ZAP handler, if one started. Idempotent."""
+        auth, self._auth = self._auth, None
+        if auth is not None:
+            auth.stop()
 
 
-def bind(ctx: zmq.Context, kind: int, addr: str, **opts: int) -> zmq.Socket:
+def bind(ctx: zmq.Context, kind: int, addr: str, **opts: int | bytes) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in opts.items():
@@ -62,7 +99,7 @@ def bind(ctx: zmq.Context, kind: int, addr: str, **opts: int) -> zmq.Socket:
     return sock
 
 
-def connect(ctx: zmq.Context, kind: int, addr: str, **opts: int) -> zmq.Socket:
+def connect(ctx: zmq.Context, kind: int, addr: str, **opts: int | bytes) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in opts.items():

@@ -75,3 +75,44 @@ def test_serve_gives_each_engine_its_own_rendezvous_port():
     assert a.parallel.dist_init_addr.startswith("127.0.0.1:")
     mine = EngineConfig.build(tensor_parallel_size=2, dist_init_addr="127.0.0.1:4000")
     assert own_rendezvous(mine).parallel.dist_init_addr == "127.0.0.1:4000"
+
+
+def test_curve_key_file_flag_reaches_the_ipc_part():
+    c = _parse("--curve-key-file", "/k/engine.key", "--plan-addr", "tcp://10.0.0.1:5000")
+    assert c.ipc.curve_key_file == "/k/engine.key" and c.ipc.plan_addr == "tcp://10.0.0.1:5000"
+    assert EngineConfig.from_json(c.to_json()).ipc.curve_key_file == "/k/engine.key"
+
+
+def test_keygen_writes_a_0600_key_file_once(tmp_path, capsys):
+    import os
+    import stat
+
+    from subway.ipc.curve import load_key_file
+    from subway.tools.cli import main
+
+    path = str(tmp_path / "engine.key")
+    assert main(["keygen", path]) == 0
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    keys = load_key_file(path)
+    assert keys.public.decode() in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="exists"):
+        main(["keygen", path])
+    assert load_key_file(path) == keys  # not overwritten
+
+
+def test_a_process_on_tcp_needs_a_usable_key_file(tmp_path, monkeypatch):
+    """Refused with a message naming the flag, before anything starts."""
+    import os
+
+    from subway.ipc.curve import write_key_file
+    from subway.tools.cli import main
+
+    monkeypatch.delenv("SUBWAY_PARENT_PID", raising=False)
+    tcp = ["--scheduler-addr", "tcp://127.0.0.1:1", "--run-id", "t1", "--run-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--curve-key-file"):
+        main(["scheduler", *tcp])
+    key = str(tmp_path / "engine.key")
+    write_key_file(key)
+    os.chmod(key, 0o644)
+    with pytest.raises(SystemExit, match="chmod 600"):
+        main(["worker", *tcp, "--curve-key-file", key])

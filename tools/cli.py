@@ -73,6 +73,30 @@ def resolve_secrets(config: EngineConfig) -> EngineConfig:
     return config
 
 
+def keygen(path: str) -> int:
+    """`subway keygen FILE`: one engine's key pair; copy it (mode 0600) to every host and
+    start each process with --curve-key-file FILE."""
+    from subway.ipc.curve import write_key_file
+
+    try:
+        keys = write_key_file(path)
+    except OSError as e:
+        raise SystemExit(f"subway: cannot write {path}: {e}") from None
+    print(f"subway: wrote a CurveZMQ key pair to {path} (public key {keys.public.decode()})")
+    return 0
+
+
+def check_curve_keys(config: EngineConfig) -> None:
+    """A process started alone with tcp:// internal addresses: its key file, checked before
+    anything starts, so that a missing or open one is a message, not a traceback."""
+    from subway.ipc.curve import require_key_file
+
+    try:
+        require_key_file(config.ipc)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"subway: {e}") from None
+
+
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """Fill in the default model (converting it on first use) and the served name."""
     if config.model.path:
@@ -91,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start frontend, scheduler and workers on this host")
     add_engine_args(serve)
     serve.add_argument("--demo", action="store_true", help="answer one demo request when ready")
+    kg = sub.add_parser("keygen", help="write a new CurveZMQ key file (mode 0600) for "
+                            "processes started one by one over tcp://")  # fmt: skip
+    kg.add_argument("file", help="where to write it (never over an existing file)")
     for name in ("frontend", "scheduler", "worker"):
         p = sub.add_parser(name, help=f"start one {name} process")
         add_engine_args(p)
         if name == "worker":
             p.add_argument("--rank", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.command == "keygen":
+        return keygen(args.file)
     if args.command != "serve" and not args.run_id:
         args.run_id = "default"  # processes started one by one must agree on names
     config = config_from_args(args)
@@ -104,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from subway.tools.launch import die_with_parent
 
         die_with_parent()
+        check_curve_keys(config)
 
     if args.command == "serve":
         from subway.tools.launch import serve

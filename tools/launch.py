@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 
+from subway.ipc import curve
 from subway.ipc.config import EngineConfig, ParallelConfig
 from subway.ipc.sockets import cleanup_ipc, secure_dir
 
@@ -141,12 +142,38 @@ def own_rendezvous(config: EngineConfig) -> EngineConfig:
     return config.replace(dist_init_addr=f"127.0.0.1:{port}")
 
 
+def own_curve_keys(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """When an internal address is tcp:// and no key file was given: a new key pair for
+    this run in the run folder (created 0600, never over an existing file), named in the
+    config the children get. Returns the config and the file this call made (None: none)."""
+    if not curve.needs_curve(config.ipc) or config.ipc.curve_key_file:
+        return config, None
+    path = os.path.join(config.ipc.run_dir, curve.KEY_FILE_NAME)
+    try:
+        curve.write_key_file(path)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path} exists already (another engine's?): give this engine a run folder of its "
+            f"own, or its key file with {curve.KEY_FLAG}"
+        ) from None
+    return config.replace(curve_key_file=path), path
+
+
 def serve(config: EngineConfig, demo: bool = False) -> int:
     config = own_rendezvous(config)
     try:
         made_run_dir = secure_dir(config.ipc.run_dir)
     except PermissionError as e:
         print(f"subway: refusing the run folder: {e}", file=sys.stderr)
+        return 1
+    try:
+        config, made_key_file = own_curve_keys(config)
+        curve.require_key_file(config.ipc)  # a given file: refused here, before any child
+    except (OSError, ValueError) as e:
+        print(f"subway: no CurveZMQ keys: {e}", file=sys.stderr)
+        if made_run_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(config.ipc.run_dir)
         return 1
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
@@ -188,6 +215,9 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             time.sleep(0.2)
     finally:
         _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
+        if made_key_file is not None:  # only the file this run made, before the folder goes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(made_key_file)
         left = remove_leftovers(config, made_run_dir)
         if left:
             print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
