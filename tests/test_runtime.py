@@ -90,11 +90,16 @@ def test_tensor_parallel_serve_equals_transformers(tiny_models, arch):
 # --------------------------------------------------------------- per-process launch
 
 
-def test_processes_started_one_by_one_over_tcp(tiny_models):
-    """As a two-host deployment would: tcp addresses, ids inline, each process its own command."""
+def test_processes_started_one_by_one_over_tcp(tiny_models, tmp_path):
+    """As a two-host deployment would: tcp addresses (CurveZMQ with a key file made by
+    `subway keygen`), ids inline, each process its own command."""
     ports = [free_port() for _ in range(4)]
     http = free_port()
+    key_file = str(tmp_path / "engine.key")
+    cli = [sys.executable, "-m", "subway.tools.cli"]
+    subprocess.run([*cli, "keygen", key_file], check=True, timeout=60)
     flags = [
+        "--curve-key-file", key_file,
         "--model", tiny_models["llama"], "--run-id", f"pp{ports[0]}", "--no-shm",
         "--scheduler-addr", f"tcp://127.0.0.1:{ports[0]}",
         "--frontend-addr", f"tcp://127.0.0.1:{ports[1]}",
@@ -103,7 +108,6 @@ def test_processes_started_one_by_one_over_tcp(tiny_models):
         "--dist-init-addr", f"127.0.0.1:{free_port()}",
         "--port", str(http), "--num-kv-blocks", "64",
     ]  # fmt: skip
-    cli = [sys.executable, "-m", "subway.tools.cli"]
     procs = [
         subprocess.Popen([*cli, "scheduler", *flags]),
         subprocess.Popen([*cli, "worker", "--rank", "0", *flags]),

@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "keygen":
         return keygen(args.file)
-    if args.command != "serve" and not args.run_id:
-        args.run_id = "default"  # processes started one by one must agree on names
+    if args.command != "serve" and not args.run_id and not args.config_json:
+        # One engine's processes must agree on names; a shared default would let two
+        # engines on one host meet each other's sockets and buffers.
+        parser.error(f"{args.command}: give every process of one engine the same --run-id")
     config = config_from_args(args)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent

@@ -58,7 +58,14 @@ def die_with_parent() -> None:
 
 
 def shm_names(config: EngineConfig) -> list[str]:
-    return [config.ipc.prompt_shm_name, config.ipc.sampled_shm_name]
+    """This run's shared memory now in /dev/shm: the sampled-token buffer, and every
+    frontend's prompt buffer (each has a suffix of its own)."""
+    prompts = config.ipc.prompt_shm_name + "_"
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n == config.ipc.sampled_shm_name or n.startswith(prompts)]
 
 
 def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
@@ -82,13 +89,22 @@ def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
 
 
 def _health(config: EngineConfig) -> bool:
+    return health_reason(config) is None
+
+
+def health_reason(config: EngineConfig, timeout: float = 2.0) -> str | None:
+    """None when /health answers 200; else why not (its reason, or no answer)."""
+    url = f"http://{config.server.host}:{config.server.port}/health"
     try:
-        with urllib.request.urlopen(
-            f"http://{config.server.host}:{config.server.port}/health", timeout=2
-        ) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return None if r.status == 200 else f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        try:
+            return json.loads(e.read()).get("reason") or f"HTTP {e.code}"
+        except (ValueError, OSError, AttributeError):
+            return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return f"no answer ({e})"
 
 
 def demo_request(config: EngineConfig) -> str:
@@ -118,6 +134,8 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
     for i, (name, p) in enumerate(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped process hears SIGTERM only so
         try:
             p.wait(drain_timeout + 5 if name == "frontend" else 10)
         except subprocess.TimeoutExpired:
@@ -127,6 +145,36 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
                     rest.kill()
     for _, p in procs:
         p.wait()
+
+
+UNHEALTHY_EXIT_S = 15.0  # a ready engine whose /health fails this long is stopped
+HEALTH_PROBE_S = 1.0
+
+
+class HealthWatch:
+    """The launcher's view of a ready engine: /health, probed every `HEALTH_PROBE_S`. One
+    that fails (503 with a reason, or no answer: a hung frontend or scheduler) for
+    `UNHEALTHY_EXIT_S` means the engine cannot serve; `serve` then stops everything."""
+
+    def __init__(self) -> None:
+        self.last_probe = 0.0
+        self.failing_since: float | None = None
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_probe >= HEALTH_PROBE_S
+
+    def check(self, config: EngineConfig) -> str | None:
+        self.last_probe = time.monotonic()
+        reason = health_reason(config)
+        if reason is None:
+            self.failing_since = None
+            return None
+        if self.failing_since is None:
+            self.failing_since = self.last_probe
+        failing = time.monotonic() - self.failing_since
+        if failing < UNHEALTHY_EXIT_S:
+            return None
+        return f"the engine has been unhealthy for {failing:.0f} s ({reason})"
 
 
 def own_rendezvous(config: EngineConfig) -> EngineConfig:
@@ -191,6 +239,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             procs.append((f"worker {rank}", _spawn("worker", config, "--rank", str(rank))))
         print(f"subway: loading {config.model.path} ...", flush=True)
         ready = False
+        watch = HealthWatch()
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
             if dead:
@@ -198,6 +247,12 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                     print(f"subway: {name} exited with code {rc}; stopping", file=sys.stderr)
                 code = 1
                 break
+            if ready and watch.due():
+                failure = watch.check(config)
+                if failure is not None:
+                    print(f"subway: {failure}; stopping", file=sys.stderr)
+                    code = 1
+                    break
             if not ready and _health(config):
                 ready = True
                 url = f"http://{config.server.host}:{config.server.port}"
