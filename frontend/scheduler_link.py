@@ -79,10 +79,17 @@ class SchedulerLink:
         self._codec_out = Codec(ToScheduler)
         self._codec_in = Codec(ToFrontend)
         self._ctx: zmq.asyncio.Context | None = None
+        self._socks: Sockets | None = None
         self._push: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self.on_new_scheduler: Callable[[], None] = lambda: None
+
+    @property
+    def num_rejected(self) -> int:
+        """Messages refused here: undecodable ones, and CurveZMQ handshakes without our key."""
+        socks = self._socks
+        return self.rejected + (socks.denied if socks is not None else 0)
 
     @property
     def ready(self) -> bool:

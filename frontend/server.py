@@ -71,7 +71,7 @@ def build_app(
     """The HTTP app. `tokenizer` defaults to the one `config` names."""
     metrics = Metrics(
         config.model.served_model_name,
-        lambda: engine.link.rejected + (endpoint.rejected if endpoint is not None else 0),
+        lambda: engine.link.num_rejected + (endpoint.rejected if endpoint is not None else 0),
     )
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)

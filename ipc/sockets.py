@@ -82,6 +82,11 @@ class Sockets:
         }
         return connect(self.ctx, kind, addr, **self._opts(opts), **client)
 
+    @property
+    def denied(self) -> int:
+        """CurveZMQ handshakes refused so far (peers without the engine's key)."""
+        return self._auth.provider.denied if self._auth is not None else 0
+
     def close(self) -> None:
         """Stop the ZAP handler, if one started. Idempotent."""
         auth, self._auth = self._auth, None

@@ -215,7 +215,8 @@ class SchedulerLoop:
             self.out = []
             sched = self.sched
             assert sched is not None
-            sched.stats.ipc_rejected_total = self.rejected + self.workers.num_rejected
+            rejected = self.rejected + self.workers.num_rejected + self.socks.denied
+            sched.stats.ipc_rejected_total = rejected
             self._send_frontend(Deltas(deltas, sched.engine_stats()))
 
     def _maybe_log(self) -> None:

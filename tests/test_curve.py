@@ -120,6 +120,7 @@ def test_a_keyed_push_reaches_a_curve_pull_and_no_other_does(ctx, key_file):
     assert pull.poll(10_000) and pull.recv() == b"plan"
     assert pull.get(zmq.MECHANISM) == zmq.CURVE and push.get(zmq.MECHANISM) == zmq.CURVE
     assert not pull.poll(300), "a peer without the engine's key delivered a message"
+    assert server.denied >= 1  # the stranger's key was refused (and counted for /metrics)
     for s in (pull, push, plain, stranger):
         s.close()
     server.close()
