@@ -83,6 +83,7 @@ class FakeScheduler:
     aborts: list[str] = field(default_factory=list)
     hellos: int = 0
     ready_gate: threading.Event = field(default_factory=threading.Event)
+    hold_aborts: bool = False  # answer aborts only when this turns False again
 
     def __post_init__(self) -> None:
         self._commands: queue.Queue = queue.Queue()
@@ -176,6 +177,7 @@ class FakeScheduler:
         push = connect(ctx, zmq.PUSH, self.config.ipc.frontend_addr)
         codec_in, codec_out = Codec(ToScheduler), Codec(ToFrontend)
         live: dict[str, _Live] = {}
+        held: list[str] = []  # aborts not yet answered
         ready = False
         last_beat = 0.0
         try:
@@ -202,11 +204,11 @@ class FakeScheduler:
                         elif isinstance(msg, AbortRequest):
                             self.aborts.append(msg.request_id)
                             live.pop(msg.request_id, None)  # an "abort" delta either way
-                            push.send(
-                                codec_out.encode(
-                                    Deltas([RequestDelta(msg.request_id, [], "abort")])
-                                )
-                            )
+                            held.append(msg.request_id)
+                if held and not self.hold_aborts:
+                    acks = [RequestDelta(rid, [], "abort") for rid in held]
+                    held.clear()
+                    push.send(codec_out.encode(Deltas(acks)))
                 now = time.monotonic()
                 if self.paused:
                     continue
@@ -814,6 +816,48 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
         assert fake.adds[1].prompt.ids is None and fake.adds[1].prompt.length == 4
         assert fake.wait_for(lambda: "early" in fake.aborts)
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(config.ipc.prompt_shm_name)]
+    finally:
+        fake.stop()
+
+
+def test_an_aborted_prompt_run_is_kept_until_the_scheduler_lets_go(tmp_path):
+    """A plan that reads an aborted request's prompt may still be on its way to the workers:
+    its run in the ring must not be handed out again before the scheduler's "abort" delta."""
+    config = EngineConfig.build(run_dir=str(tmp_path), prompt_shm_tokens=64)
+    fake = FakeScheduler(config, owner_in_process=True)
+    fake.ready_gate.set()
+    fake.start()
+
+    async def main() -> None:
+        client = EngineClient(config)
+        await client.start()
+        try:
+            for _ in range(200):
+                if client.link.ready:
+                    break
+                await asyncio.sleep(0.02)
+            fake.paused, fake.hold_aborts = True, True
+            slow = SamplingParams(max_tokens=100, ignore_eos=True)
+            client.submit("victim", list(range(1, 21)), slow).close()  # aborted at once
+            ring = client.ring
+            victim = ring.runs["victim"]
+            assert fake.wait_for(lambda: "victim" in fake.aborts)
+            for i in range(6):  # more than the ring holds: they must go around the run
+                client.submit(f"later{i}", [7] * 20, slow)
+            taken = [ring.runs[r] for r in ring.runs if r != "victim"]
+            assert ring.runs["victim"] == victim
+            assert all(off + 20 <= victim or off >= victim + 20 for off in taken), taken
+            fake.hold_aborts = False  # the scheduler lets go
+            for _ in range(200):
+                if "victim" not in ring.runs:
+                    break
+                await asyncio.sleep(0.02)
+            assert "victim" not in ring.runs
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
     finally:
         fake.stop()
 
