@@ -3,6 +3,7 @@ transformers static-batching baseline (tiny random model), sweep and plots."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -365,3 +366,66 @@ def test_bench_linear_prints_both_paths(capsys) -> None:
     row = capsys.readouterr().out.splitlines()[-1]
     plain, packed = (float(x) for x in row.split("|")[2:4])
     assert row.startswith("| 2 |") and plain > 0 and packed > 0
+
+
+# ---------------------------------------------------------------- soak and chaos
+
+
+def test_soak_workload_mix() -> None:
+    from subway.tools.bench import soak
+
+    specs = soak.make_specs(1000, seed=1, disconnect_frac=0.2)
+    assert specs == soak.make_specs(1000, seed=1, disconnect_frac=0.2)
+    dropped = [s for s in specs if s.disconnect_after is not None]
+    assert len(dropped) == 200
+    assert all(
+        s.stream and s.ignore_eos and 1 <= s.disconnect_after < s.max_tokens for s in dropped
+    )
+    assert {s.max_tokens for s in specs} == set(range(1, 33))
+    assert 0.1 < sum(s.chat for s in specs) / 1000 < 0.5
+    assert 0.3 < sum(s.stream for s in specs) / 1000 < 0.8
+    assert {"top_p" in s.sampling for s in specs} == {True, False}
+    assert {s.sampling["temperature"] == 0 for s in specs} == {True, False}
+
+
+def test_soak_length_check() -> None:
+    from subway.tools.bench.soak import Outcome, Spec, length_ok
+
+    spec = Spec(chat=False, prompt="x", max_tokens=8, stream=False, ignore_eos=True, sampling={})
+    assert length_ok(spec, Outcome("ok", "length", 8))
+    assert not length_ok(spec, Outcome("ok", "length", 7))
+    assert not length_ok(spec, Outcome("ok", "stop", 3))  # no stop under ignore_eos
+    assert not length_ok(spec, Outcome("ok", "abort", 3))
+    free = Spec(chat=True, prompt="x", max_tokens=8, stream=True, ignore_eos=False, sampling={})
+    assert length_ok(free, Outcome("ok", "stop", 3))
+    assert not length_ok(free, Outcome("ok", "stop", 8))
+
+
+def test_soak_small_run_against_serve(tiny_models, tmp_path) -> None:
+    """The soak end to end, small: every bar but RSS growth (a full-size figure) holds."""
+    from subway.tools.bench import soak
+
+    out = tmp_path / "soak.json"
+    argv = ["--model", tiny_models["llama"], "--requests", "60", "--concurrency", "6",
+            "--rss-at", "20", "--out", str(out), "--", "--num-kv-blocks", "64"]  # fmt: skip
+    soak.main(argv)
+    result = json.loads(out.read_text())
+    checks = {c["name"]: c for c in result["checks"]}
+    for name in ("no errors", "lengths", "nothing leaked"):
+        assert checks[name]["pass"], checks[name]
+    assert result["counts"]["dropped"] == 12 and result["counts"]["error"] == 0
+    assert set(result["rss_mb"]["end"]) == {"frontend", "scheduler", "worker 0"}
+    assert all(v > 0 for v in result["rss_mb"]["first"].values())
+    assert result["final"]["num_requests_running"] == 0
+
+
+def test_chaos_killed_worker_is_reported(tiny_models) -> None:
+    from subway.tools.bench import chaos
+
+    a = argparse.Namespace(model=tiny_models["qwen2"], clients=2, max_tokens=400, bound=60.0,
+                           step_timeout=0.0, serve_args=["--num-kv-blocks", "128"])  # fmt: skip
+    r = chaos.run_case("kill-worker0", a)
+    assert r.passed, r
+    assert r.exit_code not in (0, None) and r.detect_s is not None and r.detect_s < 30
+    assert r.leftovers == []
+    assert "PASS" in chaos.table([r])

@@ -62,7 +62,8 @@ class Stream:
 
     @property
     def ok(self) -> bool:
-        return self.done and not self.error and self.finish_reason not in (None, "abort")
+        """Ran to its end: [DONE], no error, a finish_reason other than "abort"/"error"."""
+        return self.done and not self.error and self.finish_reason not in (None, "abort", "error")
 
 
 class Load:
@@ -258,8 +259,8 @@ def watch(server, load, t0, bound, health_log, res: Result, fault: str) -> None:
 def judge(server, load, t0, pids, health_log, res: Result, bound: float) -> None:
     after = [s for streams in load.streams for s in streams if s.end == 0 or s.end >= t0]
     hung = [s for s in after if s.end == 0 or "hung" in s.error]
-    errs = [s for s in after if s.error and s not in hung]
-    ok = [s for s in after if s.ok and not s.error]
+    errs = [s for s in after if not s.ok and s not in hung]  # an error, or finish "abort"
+    ok = [s for s in after if s.ok]
     res.clients = f"{len(ok)} ok / {len(errs)} err / {len(hung)} hung"
     first_err = min((s.end - t0 for s in errs), default=None)
     # A survivor's report: an answer other than 200 (a frontend that does not answer in time
@@ -298,7 +299,8 @@ def judge(server, load, t0, pids, health_log, res: Result, bound: float) -> None
         if res.detect_s is None:
             res.notes.append("no survivor reported it")
         if errs:
-            res.notes.append("client errors: " + ", ".join(sorted({s.error for s in errs})))
+            kinds = {s.error or f"finish_reason {s.finish_reason}" for s in errs}
+            res.notes.append("client errors: " + ", ".join(sorted(kinds)))
         stragglers = alive(pids) if res.exit_s is not None else []
         if res.exit_s is not None and stragglers:
             wait_for(lambda: not alive(pids), 5)
@@ -327,14 +329,14 @@ def fmt(x: float | None) -> str:
 
 
 def table(results: list[Result]) -> str:
-    head = f"{'case':<13}{'process':<11}{'detect s':>9}{'clients s':>10}{'exit s (code)':>15}  "
+    head = f"{'case':<15}{'process':<11}{'detect s':>9}{'clients s':>10}{'exit s (code)':>15}  "
     head += f"{'clients':<24}"
     lines = [head + f"{'leftovers':<11}result  notes"]
     for r in results:
         ex = f"{fmt(r.exit_s)} ({'-' if r.exit_code is None else r.exit_code})"
         left = str(len(r.leftovers)) if r.leftovers else "none"
         lines.append(
-            f"{r.case:<13}{r.process:<11}{fmt(r.detect_s):>9}{fmt(r.clients_s):>10}{ex:>15}  "
+            f"{r.case:<15}{r.process:<11}{fmt(r.detect_s):>9}{fmt(r.clients_s):>10}{ex:>15}  "
             f"{r.clients:<24}"
             f"{left:<11}{'PASS' if r.passed else 'FAIL':<8}{'; '.join(r.notes)}"
         )
