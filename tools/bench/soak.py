@@ -461,7 +461,7 @@ def run_soak(args: argparse.Namespace) -> int:
     try:
         blocks_total = idle_blocks(base)
         specs = make_specs(args.requests, args.seed, args.disconnect_frac)
-        rss_at = min(args.rss_at, max(1, args.requests // 10))
+        rss_at = args.rss_at if args.requests > args.rss_at else max(1, args.requests // 10)
         samples: dict[str, dict[str, float]] = {}
         t_start = time.perf_counter()
 
