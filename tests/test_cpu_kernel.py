@@ -174,3 +174,32 @@ def test_a_killed_build_does_not_hang_later_loads():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
     assert not os.path.exists(stale)
+
+
+def test_packed_linears_see_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN keeps a compiled kernel per row count of a packed matmul, forever: every
+    prefill size would grow the worker's memory (the soak benchmark saw +527 MB). Rows above
+    EXACT_ROWS are padded to a bucket; the results are those of the plain matmul."""
+    import torch
+    import torch.nn.functional as F
+
+    from subway.worker import layers
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    packed = layers.pack_weight(weight, 8)
+    assert packed is not None
+    seen: set[int] = set()
+    real = layers.packed_matmul
+
+    def recording(x, p, b):
+        seen.add(x.shape[0])
+        return real(x, p, b)
+
+    monkeypatch.setattr(layers, "packed_matmul", recording)
+    for rows in range(1, 513):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(
+            layers.linear(x, weight, bias, packed), F.linear(x, weight, bias)
+        )
+    assert len(seen) <= layers.EXACT_ROWS + 512 // layers.ROW_BUCKET

@@ -31,12 +31,28 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         return None
 
 
+EXACT_ROWS = 64  # a packed matmul of up to this many rows (decode batches) runs at its size
+ROW_BUCKET = 32  # one of more rows runs padded to a multiple of this
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """`x [rows, in]` times the weight. A packed weight's matmul keeps a compiled kernel
+    per row count, never freed (about 0.6 MB for each; measured in docs/RELIABILITY.md), so
+    row counts above `EXACT_ROWS` are padded to a multiple of `ROW_BUCKET`: a bounded set
+    of kernels, where every prefill size would otherwise add one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if rows <= EXACT_ROWS or rows % ROW_BUCKET == 0:
+        return packed_matmul(x, packed, bias)
+    x = F.pad(x, (0, 0, 0, ROW_BUCKET - rows % ROW_BUCKET))
+    return packed_matmul(x, packed, bias)[:rows]
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
