@@ -42,7 +42,7 @@ from subway.ipc.messages import (
     ToFrontend,
     ToScheduler,
 )
-from subway.ipc.peers import process_alive, this_host
+from subway.ipc.peers import RECHECK_S, process_alive, this_host
 from subway.ipc.sockets import Sockets, cleanup_ipc
 
 log = logging.getLogger("subway.frontend")
@@ -195,22 +195,38 @@ class SchedulerLink:
         assert self._pull is not None
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         monitor = self._pull.get_monitor_socket(events)
+        checking: asyncio.Task | None = None
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 info = self.info
                 if event == zmq.EVENT_DISCONNECTED and info is not None and self.error is None:
-                    if process_alive(info.pid, info.host) is False:
-                        self.error = "the scheduler died"
-                        log.error("engine error: %s (pid %d)", self.error, info.pid)
-                        self.on_lost(EngineDeadError(self.error))
-                    # else a stray connection closed (a port probe): the heartbeat decides
+                    # Its pid may still read as alive while a killed process exits; a stray
+                    # connection (a port probe) leaves it alive: then the heartbeat decides.
+                    if checking is None or checking.done():
+                        checking = asyncio.create_task(self._confirm_death(info))
                 elif event == zmq.EVENT_ACCEPTED and self.error is not None:
                     self._hello()
         finally:
+            if checking is not None:
+                checking.cancel()
             if self._pull is not None:
                 self._pull.disable_monitor()
             monitor.close(linger=0)
+
+    async def _confirm_death(self, info: EngineReady) -> None:
+        """After a disconnect: the engine is lost if the scheduler's pid dies within
+        `RECHECK_S` (checked at once, then every 20 ms)."""
+        deadline = time.monotonic() + RECHECK_S
+        while self.error is None and self.info is info:
+            if process_alive(info.pid, info.host) is False:
+                self.error = "the scheduler died"
+                log.error("engine error: %s (pid %d)", self.error, info.pid)
+                self.on_lost(EngineDeadError(self.error))
+                return
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.02)
 
     async def _watchdog(self) -> None:
         """Send the heartbeat; tell `on_lost` when a ready scheduler has been silent for

@@ -11,6 +11,10 @@ from __future__ import annotations
 import os
 import socket
 
+# A process killed with SIGKILL closes its sockets while it exits, so its disconnect can
+# come before its pid reads as dead: whoever saw a disconnect checks again this long.
+RECHECK_S = 2.0
+
 
 def this_host() -> str:
     return socket.gethostname()

@@ -54,7 +54,7 @@ from subway.ipc.messages import (
     ToScheduler,
     WorkerReady,
 )
-from subway.ipc.peers import process_alive, this_host
+from subway.ipc.peers import RECHECK_S, process_alive, this_host
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
 from subway.scheduler.checks import check_add, ids_in_vocab
@@ -112,6 +112,7 @@ class SchedulerLoop:
         self.last_log_at = time.monotonic()
         self.frontend_peer: tuple[int, str] | None = None  # (pid, host) of its hello
         self.frontend_seen = 0.0  # time.monotonic() of its last message
+        self.recheck_until = 0.0  # after a disconnect: check the frontend's pid until then
         self.rejected = 0  # frontend messages refused here
         self._logged: set[str] = set()
         self.stop = False  # stop now
@@ -194,9 +195,12 @@ class SchedulerLoop:
         peer = self.frontend_peer
         if peer is None:
             return
-        if disconnected and process_alive(*peer) is False:
+        now = time.monotonic()
+        if disconnected:  # its pid may still read as alive while the process exits
+            self.recheck_until = now + RECHECK_S
+        if now < self.recheck_until and process_alive(*peer) is False:
             self._on_frontend_gone(f"the frontend (pid {peer[0]}) died")
-        elif time.monotonic() - self.frontend_seen > FRONTEND_SILENCE_S:
+        elif now - self.frontend_seen > FRONTEND_SILENCE_S:
             self._on_frontend_gone(f"the frontend (pid {peer[0]}) is silent")
 
     def _on_frontend_gone(self, why: str) -> None:
