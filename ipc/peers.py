@@ -8,6 +8,7 @@ peer on another host is judged by its heartbeat alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -42,3 +43,21 @@ def _not_zombie(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state not in ("Z", "X")
+
+
+class Refusals:
+    """Messages refused from one kind of peer: counted, and logged once per kind of fault
+    (a flood of forgeries must not flood the log too)."""
+
+    def __init__(self, log: logging.Logger, peer: str) -> None:
+        self.log = log
+        self.peer = peer
+        self.count = 0
+        self._logged: set[str] = set()
+
+    def refuse(self, kind: str, detail: str) -> None:
+        self.count += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            self.log.error("refused a message from %s (%s): %s; further ones only counted",
+                           self.peer, kind, detail)  # fmt: skip

@@ -54,7 +54,7 @@ from subway.ipc.messages import (
     ToScheduler,
     WorkerReady,
 )
-from subway.ipc.peers import RECHECK_S, process_alive, this_host
+from subway.ipc.peers import RECHECK_S, Refusals, process_alive, this_host
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
 from subway.scheduler.checks import check_add, ids_in_vocab
@@ -113,8 +113,7 @@ class SchedulerLoop:
         self.frontend_peer: tuple[int, str] | None = None  # (pid, host) of its hello
         self.frontend_seen = 0.0  # time.monotonic() of its last message
         self.recheck_until = 0.0  # after a disconnect: check the frontend's pid until then
-        self.rejected = 0  # frontend messages refused here
-        self._logged: set[str] = set()
+        self.refusals = Refusals(log, "a frontend")
         self.stop = False  # stop now
         self.drain_since: float | None = None  # SIGTERM came: drain, then stop
         self.exit_code: int | None = None
@@ -219,7 +218,7 @@ class SchedulerLoop:
             self.out = []
             sched = self.sched
             assert sched is not None
-            rejected = self.rejected + self.workers.num_rejected + self.socks.denied
+            rejected = self.refusals.count + self.workers.num_rejected + self.socks.denied
             sched.stats.ipc_rejected_total = rejected
             self._send_frontend(Deltas(deltas, sched.engine_stats()))
 
@@ -246,18 +245,11 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------ messages
 
-    def _reject(self, kind: str, detail: str) -> None:
-        self.rejected += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.error("refused a message from a frontend (%s): %s; further ones only counted",
-                      kind, detail)  # fmt: skip
-
     def _on_request(self, data: bytes) -> None:
         try:
             msg = self.in_codec.decode(data)
         except msgspec.DecodeError as e:
-            self._reject("undecodable", str(e))
+            self.refusals.refuse("undecodable", str(e))
             return
         if isinstance(msg, FrontendHello):
             self._on_hello(msg)
@@ -301,7 +293,7 @@ class SchedulerLoop:
         if problem is None and ids is not None and not ids_in_vocab(ids, vocab):
             problem = f"a prompt token id outside [0, {vocab})"
         if problem is not None:
-            self._reject("bad request", f"{msg.request_id[:64]!r}: {problem}")
+            self.refusals.refuse("bad request", f"{msg.request_id[:64]!r}: {problem}")
             ids = None
         sched.add(msg, ids if ids is not None else [])  # no ids: it finishes with "error"
 
@@ -318,7 +310,7 @@ class SchedulerLoop:
         try:
             return resolve(ref, self.prompt_buf)  # a copy: the frontend reuses the space
         except ValueError as e:
-            self._reject("bad prompt ref", f"{req.request_id[:64]!r}: {e}")
+            self.refusals.refuse("bad prompt ref", f"{req.request_id[:64]!r}: {e}")
             return None
 
     def _start(self, ranks: list[WorkerReady]) -> None:

@@ -41,7 +41,7 @@ from subway.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
-from subway.ipc.peers import process_alive
+from subway.ipc.peers import Refusals, process_alive
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
 
@@ -66,9 +66,8 @@ class WorkerLink:
         self.failure: str | None = None
         self.sampled_buf: TokenBuffer | None = None
         self.vocab_size = 0
-        self.rejected = 0  # messages refused here
+        self.refusals = Refusals(log, "a worker")
         self.worker_rejected = 0  # messages rank 0 says it refused
-        self._logged: set[str] = set()  # kinds of refusal logged already
         self._results: list[tuple[StepResult, list[int]]] = []
         # Plans in flight, oldest first: (step, ids of the sequences it samples, the plan).
         self._inflight: deque[tuple[int, list[int], Plan]] = deque()
@@ -101,7 +100,7 @@ class WorkerLink:
 
     @property
     def num_rejected(self) -> int:
-        return self.rejected + self.worker_rejected
+        return self.refusals.count + self.worker_rejected
 
     # ------------------------------------------------------------ the executor
 
@@ -157,47 +156,44 @@ class WorkerLink:
             if self.started:  # a worker, or a stray subscriber: who died?
                 self._check_peers()
 
-    def _reject(self, kind: str, detail: str) -> None:
-        self.rejected += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.error("refused a message from a worker (%s): %s; further ones only counted",
-                      kind, detail)  # fmt: skip
-
     def _on_msg(self, data: bytes) -> None:
         try:
             msg = self._in.decode(data)
         except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-            self._reject("undecodable", str(e))
+            self.refusals.refuse("undecodable", str(e))
             return
         if isinstance(msg, StepResult):
             self._on_result(msg)
         elif isinstance(msg, WorkerReady):
             tp = self.config.parallel.tensor_parallel_size
             if self.started or not 0 <= msg.rank < tp or msg.num_blocks < 1 or msg.vocab_size < 1:
-                self._reject("bad WorkerReady", f"rank {msg.rank} (started: {self.started})")
+                self.refusals.refuse(
+                    "bad WorkerReady", f"rank {msg.rank} (started: {self.started})"
+                )
                 return
             self.workers[msg.rank] = msg
         elif isinstance(msg, WorkerError):
             if not 0 <= msg.rank < self.config.parallel.tensor_parallel_size:
-                self._reject("bad WorkerError", f"rank {msg.rank}")
+                self.refusals.refuse("bad WorkerError", f"rank {msg.rank}")
                 return
             self.failure = f"worker {msg.rank}: {msg.message}"
 
     def _on_result(self, msg: StepResult) -> None:
         if not self.started or not self._inflight or msg.step != self._inflight[0][0]:
             expected = self._inflight[0][0] if self._inflight else None
-            self._reject("unexpected step", f"result of step {msg.step}, expected {expected}")
+            self.refusals.refuse(
+                "unexpected step", f"result of step {msg.step}, expected {expected}"
+            )
             return
         _, sampled, plan = self._inflight[0]
         try:
             tokens = resolve(msg.tokens, self.sampled_buf)
         except ValueError as e:
-            self._reject("bad token ref", str(e))
+            self.refusals.refuse("bad token ref", str(e))
             return
         problem = _check_result(msg, tokens, sampled, self.vocab_size, plan)
         if problem is not None:
-            self._reject("malformed result", f"step {msg.step}: {problem}")
+            self.refusals.refuse("malformed result", f"step {msg.step}: {problem}")
             return
         self._inflight.popleft()
         self._progress_at = time.monotonic()
