@@ -89,7 +89,6 @@ def test_runner_packs_its_linear_layers(tiny_models):
     layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.packed is not None for m in layers)
     assert runner.model.lm_head_packed is not None
-    assert all(m.weight.numel() == 0 for m in layers)  # the plain copies are let go
 
 
 def test_cpu_ext_is_a_config_field(tiny_models):

@@ -67,12 +67,6 @@ class PackedLinear(nn.Module):
         self.packed = pack_weight(self.weight, batch_hint)
         return self.packed is not None
 
-    def release_weight(self) -> None:
-        """Free the plain weight once `packed` serves every call (an empty one stays)."""
-        if self.packed is None:
-            raise RuntimeError("only a packed layer may let its weight go")
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)

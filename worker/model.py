@@ -209,19 +209,14 @@ class CausalLM(nn.Module):
     lm_head_packed: torch.Tensor | None = None
 
     def pack_weights(self, batch_hint: int) -> bool:
-        """Packed copies of every linear weight and the lm_head, after loading (CPU only).
-        Once all are packed, the linears' plain weights are let go: nothing reads them any
-        more, and they held as much memory again as the packed copies (the lm_head stays,
-        as the embedding when tied)."""
-        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
-        ok = all(m.pack(batch_hint) for m in linears)
+        """Packed copies of every linear weight and the lm_head, after loading (CPU only)."""
+        ok = all(m.pack(batch_hint) for m in self.modules() if isinstance(m, PackedLinear))
         self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
         if not ok or self.lm_head_packed is None:
-            for m in linears:
-                m.packed = None
+            for m in self.modules():
+                if isinstance(m, PackedLinear):
+                    m.packed = None
             return False
-        for m in linears:
-            m.release_weight()
         return True
 
     # ------------------------------------------------------------------ weights
