@@ -15,6 +15,15 @@ import httpx
 import psutil
 
 
+def until(cond, within: float) -> float:
+    """Seconds until `cond()` held; fails past `within`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < within, f"not within {within} s"
+        time.sleep(0.02)  # paces the poll of an outside condition
+    return time.monotonic() - t0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -765,6 +765,17 @@ def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
 # ---------------------------------------------------------------- the engine client alone
 
 
+async def _ready_client(config: EngineConfig) -> EngineClient:
+    """A started EngineClient, once the fake scheduler has said it is ready (or 4 s)."""
+    client = EngineClient(config)
+    await client.start()
+    for _ in range(200):
+        if client.link.ready:
+            break
+        await asyncio.sleep(0.02)
+    return client
+
+
 def test_engine_client_inline_fallback_abort_and_close(tmp_path):
     config = EngineConfig.build(run_dir=str(tmp_path), prompt_shm_tokens=16)
     fake = FakeScheduler(config, owner_in_process=True)
@@ -772,13 +783,8 @@ def test_engine_client_inline_fallback_abort_and_close(tmp_path):
     fake.start()
 
     async def main() -> None:
-        client = EngineClient(config)
-        await client.start()
+        client = await _ready_client(config)
         try:
-            for _ in range(200):
-                if client.link.ready:
-                    break
-                await asyncio.sleep(0.02)
             link = client.link
             assert link.ready and link.healthy and link.info.max_model_len == 256
             sp = SamplingParams(max_tokens=30)
@@ -829,13 +835,8 @@ def test_an_aborted_prompt_run_is_kept_until_the_scheduler_lets_go(tmp_path):
     fake.start()
 
     async def main() -> None:
-        client = EngineClient(config)
-        await client.start()
+        client = await _ready_client(config)
         try:
-            for _ in range(200):
-                if client.link.ready:
-                    break
-                await asyncio.sleep(0.02)
             fake.paused, fake.hold_aborts = True, True
             slow = SamplingParams(max_tokens=100, ignore_eos=True)
             client.submit("victim", list(range(1, 21)), slow).close()  # aborted at once

@@ -17,16 +17,7 @@ import psutil
 import pytest
 
 from reference import hf_greedy
-from serving import Server, free_port
-
-
-def _until(cond, within: float) -> float:
-    """Seconds until `cond()` held; fails past `within`."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < within, f"not within {within} s"
-        time.sleep(0.05)  # paces the poll of an outside condition
-    return time.monotonic() - t0
+from serving import Server, free_port, until
 
 
 class Streams:
@@ -78,7 +69,7 @@ def test_a_stopped_worker_is_detected_and_serve_exits_non_zero(tiny_models):
     pids = [c.pid for c in s.children()]
     try:
         streams = Streams(s.url, 2, 1900)
-        _until(lambda: _running(s) >= 1, 30)
+        until(lambda: _running(s) >= 1, 30)
         worker = s.child("worker")
         worker.suspend()  # SIGSTOP
         t0 = time.monotonic()
@@ -94,7 +85,7 @@ def test_a_stopped_worker_is_detected_and_serve_exits_non_zero(tiny_models):
             if psutil.pid_exists(p):
                 psutil.Process(p).kill()
         s.stop()
-    assert _until(lambda: not s.shm_files(), 5) < 5
+    assert until(lambda: not s.shm_files(), 5) < 5
 
 
 def test_sigterm_to_every_process_at_once_still_drains(tiny_models):
@@ -103,14 +94,14 @@ def test_sigterm_to_every_process_at_once_still_drains(tiny_models):
     s = Server(tiny_models["llama"], "--shutdown-timeout", "60", "--num-kv-blocks", "256",
                "--max-model-len", "2048")  # fmt: skip
     streams = Streams(s.url, 3, 120)
-    _until(lambda: _running(s) >= 3, 30)
+    until(lambda: _running(s) >= 3, 30)
     for p in [s.proc.pid, *(c.pid for c in s.children())]:
         os.kill(p, signal.SIGTERM)
     streams.join(90)
     got = [Streams.summary(r) for r in streams.results]
     assert got == [("length", 120)] * 3, (streams.results, s.read_output()[-3000:])
     assert s.proc.wait(60) == 0
-    assert _until(lambda: not s.shm_files(), 5) < 5
+    assert until(lambda: not s.shm_files(), 5) < 5
 
 
 def _one_by_one(model: str, run_id: str, http: int) -> tuple[list[str], list[subprocess.Popen]]:
@@ -130,7 +121,7 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen]) -> None:
         except httpx.HTTPError:
             return False
 
-    _until(healthy, 120)
+    until(healthy, 120)
 
 
 def test_workers_reattach_to_a_restarted_frontends_prompts(tiny_models):
@@ -170,7 +161,7 @@ def test_workers_reattach_to_a_restarted_frontends_prompts(tiny_models):
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-    assert _until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
+    assert until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
 
 
 def test_port_probes_on_every_internal_port_disturb_nothing(tiny_models):
@@ -181,7 +172,7 @@ def test_port_probes_on_every_internal_port_disturb_nothing(tiny_models):
     s = Server(tiny_models["llama"], *flags, "--num-kv-blocks", "256", "--max-model-len", "2048")
     try:
         streams = Streams(s.url, 2, 150)
-        _until(lambda: _running(s) >= 2, 30)
+        until(lambda: _running(s) >= 2, 30)
         for _ in range(3):
             for port in ports.values():
                 with socket.create_connection(("127.0.0.1", port), timeout=2):

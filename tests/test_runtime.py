@@ -20,7 +20,7 @@ from subway.ipc.messages import SamplingParams
 from subway.llm import LLM, Output
 
 from reference import hf_greedy
-from serving import Server, free_port
+from serving import Server, free_port, until
 
 # ----------------------------------------------------------------------------- overlap
 
@@ -209,15 +209,6 @@ def _start_one_by_one(model: str, run_id: str) -> tuple[list[subprocess.Popen], 
     raise AssertionError("not healthy")
 
 
-def _until(cond, within: float) -> float:
-    """Seconds until `cond()` held; fails past `within`."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < within, f"not within {within} s"
-        time.sleep(0.02)  # paces the poll of an outside condition
-    return time.monotonic() - t0
-
-
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim):
     """No `serve` supervising: the processes themselves notice a death and say so."""
@@ -240,13 +231,13 @@ def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim)
     t = threading.Thread(target=stream)
     t.start()
     try:
-        _until(lambda: httpx.get(url + "/metrics").text.count("num_requests_running") > 0, 30)
+        until(lambda: httpx.get(url + "/metrics").text.count("num_requests_running") > 0, 30)
         (worker if victim == "worker" else scheduler).kill()
 
         def health() -> int:
             return httpx.get(url + "/health", timeout=1).status_code
 
-        assert _until(lambda: health() == 503, 1.5) < 1.5  # "within a second", plus CI noise
+        assert until(lambda: health() == 503, 1.5) < 1.5  # "within a second", plus CI noise
         t.join(10)
         assert not t.is_alive(), "the in-flight request hung"
         # It ended with an error event (or a broken connection), not a finished answer.
@@ -263,7 +254,7 @@ def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim)
             except subprocess.TimeoutExpired:
                 p.kill()
     assert frontend.returncode == 0
-    assert _until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
+    assert until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
 
 
 @pytest.mark.parametrize("timeout", [1.0, 0.0])
@@ -284,11 +275,11 @@ def test_sigterm_drains_then_aborts(tiny_models, timeout):
 
     t = threading.Thread(target=stream)
     t.start()
-    _until(lambda: s.metrics().get("subway:num_requests_running", 0) >= 1, 30)
+    until(lambda: s.metrics().get("subway:num_requests_running", 0) >= 1, 30)
     t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     if timeout > 0:  # while it drains: no new work, and /health says so
-        _until(lambda: httpx.get(s.url + "/health").status_code == 503, 2)
+        until(lambda: httpx.get(s.url + "/health").status_code == 503, 2)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["message"]
     t.join(30)
