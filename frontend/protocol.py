@@ -29,6 +29,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings of one request at most
 MAX_STOP_CHARS = 256  # characters of one stop string at most
+MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (as ipc.messages allows)
 
 # ---------------------------------------------------------------- requests
 
@@ -40,6 +41,37 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# ---- structured outputs (the grammar a request's output must follow)
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of the constraints below."""
+
+    model_config = ConfigDict(
+        extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True
+    )
+    json_: dict | str | None = Field(None, alias="json")  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None  # EBNF (xgrammar's dialect, as vLLM's)
+    json_object: bool | None = None  # any JSON object
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(
+        extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True
+    )
+    name: str = Field("schema", max_length=256)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(_Request):
@@ -62,7 +94,16 @@ class SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=1e4)
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # The older vLLM spellings of structured_outputs (one of them at most).
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Subway extras: the scheduler's policies, and a per-request time limit.
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     slo_ttft_ms: float | None = Field(None, gt=0.0)
@@ -88,9 +129,16 @@ class SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _logit_bias(cls, v):
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
+        for k, b in v.items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, not {k[:32]!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError("a logit_bias value is outside [-100, 100]")
         return v
 
     @model_validator(mode="after")
@@ -157,10 +205,49 @@ class ContentPart(_Request):
         return v
 
 
+# ---- tools (function calling)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(_Request):
+    """A call as it appears in an assistant message of the conversation (and in answers)."""
+
+    name: str
+    arguments: str = ""  # JSON text
+
+
+class ToolCall(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -177,6 +264,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -282,9 +372,44 @@ class CompletionResponse(_Answer):
     choices: list[CompletionChoice]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = []
+
+
+class DeltaFunctionCall(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed call: the first names it (`id`, `type`, `function.name`),
+    the rest carry more `function.arguments`; the client joins them by `index`."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(BaseModel):
@@ -304,6 +429,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -120,6 +120,9 @@ class ServerConfig:
     body_timeout: float = opt(30.0, "seconds a client has to send its request's body")
     max_connections: int = opt(2048, "open HTTP connections at most; more are refused")
     template_timeout: float = opt(10.0, "seconds a chat template and tokenization may take")
+    grammar_timeout: float = opt(
+        10.0, "seconds a structured-output grammar may take to compile; slower ones get 400"
+    )
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
     allow_client_priority: bool = opt(

@@ -27,6 +27,24 @@ class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
     ids: list[int] | None = None
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's spec, at most (1 MiB of text)
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias, at most (OpenAI: 300)
+
+
+class Grammar(msgspec.Struct, array_like=True, frozen=True):
+    """An output constraint (structured outputs, tool calls), applied by rank 0's sampler.
+
+    `kind` is one of `GRAMMAR_KINDS`; `spec` the JSON schema as text, the regex or
+    the EBNF grammar (xgrammar's dialect), empty for `json_object` (any JSON object).
+    The frontend compiles it first (a bad or slow one is a 400 there); the worker
+    compiles it again with its own cache, off the step's critical path.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-request sampling and stopping rules that the scheduler and the workers need.
 
@@ -49,6 +67,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # Number of top logprobs per prompt position (prefill); None: off. The worker
     # then also returns the logprob of every prompt token but the first.
     prompt_logprobs: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, each in
+    # [-100, 100]); logprobs stay those of the raw logits.
+    logit_bias: dict[int, float] = {}
+    # EOS and stop_token_ids cannot be sampled before this many tokens are generated
+    # (and the frontend matches no stop string before then), as vLLM's min_tokens.
+    min_tokens: int = 0
+    grammar: Grammar | None = None  # constrain the output (rank 0 masks the logits)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import math
 
-from subway.ipc.messages import AddRequest, SamplingParams
+from subway.ipc.messages import (
+    GRAMMAR_KINDS,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    AddRequest,
+    SamplingParams,
+)
 
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGPROBS = 20  # top alternatives per position, as OpenAI allows
@@ -44,6 +50,19 @@ def check_sampling(sp: SamplingParams, vocab_size: int) -> str | None:
             return f"logprobs outside [0, {MAX_LOGPROBS}]"
     if sp.stop_token_ids and (min(sp.stop_token_ids) < 0 or max(sp.stop_token_ids) >= vocab_size):
         return "a stop token id outside the vocabulary"
+    if not 0 <= sp.min_tokens <= max(sp.max_tokens, 0):
+        return "min_tokens outside [0, max_tokens]"
+    bias = sp.logit_bias
+    if bias:
+        if len(bias) > MAX_LOGIT_BIAS:
+            return f"more than {MAX_LOGIT_BIAS} logit_bias entries"
+        if min(bias) < 0 or max(bias) >= vocab_size:
+            return "a logit_bias token id outside the vocabulary"
+        if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for b in bias.values()):
+            return "a logit_bias value outside [-100, 100]"
+    g = sp.grammar
+    if g is not None and (g.kind not in GRAMMAR_KINDS or len(g.spec) > MAX_GRAMMAR_CHARS):
+        return "a grammar of an unknown kind or too long"
     return None
 
 
