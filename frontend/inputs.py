@@ -1,6 +1,6 @@
 """The pipeline's first stage: from a request body to what the engine takes.
 
-`parse` reads a JSON body into a request model; `chat_job` and `completion_job`
+`parse` reads a JSON body into a request model; `completion_job` (and `chat.chat_job`)
 turn a request into a `Job`: its prompts' ids and, per prompt, the
 SamplingParams of its choices. Everything that needs the tokenizer or the
 engine's limits (context length, vocabulary) is checked here; failures are
@@ -151,15 +151,6 @@ def client_scheduling(req: R, config: EngineConfig) -> tuple[R, list[str]]:
     return req.model_copy(update=defaults), given
 
 
-def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
-    prompt = chat_prompt(req, tokenizer, limits)
-    max_tokens = resolve_max_tokens(
-        req.requested_max_tokens, len(prompt.ids), limits, limits.chat_max_tokens
-    )
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    return Job([prompt], [sampling_params(req, max_tokens, top, limits)])
-
-
 def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
     prompts = completion_prompts(req, tokenizer, limits)
     no_output = req.max_tokens == 0
@@ -224,27 +215,6 @@ def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits) -> lis
         _check_length(prompt, limits, "prompt")
         prompts.append(prompt)
     return prompts
-
-
-def chat_prompt(
-    req: ChatCompletionRequest, tokenizer, limits: Limits, check_length: bool = True
-) -> Prompt:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message,
-            tokenize=False,
-            **({"chat_template": req.chat_template} if req.chat_template is not None else {}),
-            **(req.chat_template_kwargs or {}),
-        )
-    except Exception as e:  # jinja errors, a tokenizer without a template, ...
-        raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
-    prompt = Prompt(encode(tokenizer, text, False, "messages"), text)
-    if check_length:
-        _check_length(prompt, limits, "messages")
-    return prompt
 
 
 def resolve_max_tokens(

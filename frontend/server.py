@@ -27,10 +27,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from subway import __version__
+from subway.frontend.chat import chat_prompt
 from subway.frontend.engine_client import EngineClient
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
-from subway.frontend.inputs import chat_prompt, check_model, check_token_ids, encode, parse
+from subway.frontend.inputs import check_model, check_token_ids, encode, parse
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,

@@ -376,7 +376,8 @@ def test_a_chat_without_max_tokens_gets_the_server_default(door):
 def test_the_default_is_capped_by_the_context_left(default_model):
     from transformers import AutoTokenizer
 
-    from subway.frontend.inputs import Limits, chat_job
+    from subway.frontend.chat import chat_job
+    from subway.frontend.inputs import Limits
     from subway.frontend.protocol import ChatCompletionRequest
 
     tok = AutoTokenizer.from_pretrained(default_model)

@@ -864,8 +864,9 @@ def test_an_aborted_prompt_run_is_kept_until_the_scheduler_lets_go(tmp_path):
 
 
 def test_a_trusting_server_renders_the_request_template(tokenizer):
+    from subway.frontend.chat import chat_prompt
     from subway.frontend.errors import APIError
-    from subway.frontend.inputs import Limits, chat_prompt, check_request
+    from subway.frontend.inputs import Limits, check_request
     from subway.frontend.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(
