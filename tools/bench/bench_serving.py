@@ -123,8 +123,15 @@ def compute_metrics(
 
 
 async def send_one(
-    client: httpx.AsyncClient, url: str, model: str, req: Request, rec: Record, t0: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    req: Request,
+    rec: Record,
+    t0: float,
+    extra: dict[str, Any] | None = None,
 ) -> None:
+    """One streamed request; `extra` fields join its body (a constraint, say)."""
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -136,6 +143,7 @@ async def send_one(
     }
     if req.priority is not None:
         body["priority"] = req.priority
+    body.update(extra or {})
     start = time.perf_counter()
     rec.start = start - t0
     last = start
@@ -185,6 +193,7 @@ async def run_requests(
     max_concurrency: int = 0,
     timeout: float = 600.0,
     progress: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[Record], float]:
     """Send the workload; returns the per-request records and the wall time of the whole run."""
     url = base_url.rstrip("/") + "/v1/completions"
@@ -199,10 +208,10 @@ async def run_requests(
 
         async def one(q: Request, rec: Record) -> None:
             if sem is None:
-                await send_one(client, url, model, q, rec, t0)
+                await send_one(client, url, model, q, rec, t0, extra)
             else:
                 async with sem:
-                    await send_one(client, url, model, q, rec, t0)
+                    await send_one(client, url, model, q, rec, t0, extra)
             bar.update()
 
         async def timed(q: Request, rec: Record) -> None:
@@ -287,12 +296,14 @@ def benchmark(
     timeout: float = 600.0,
     progress: bool = True,
     keep_records: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the workload against a server and return the result dict (what `--out` writes)."""
+    """Run the workload against a server and return the result dict (what `--out` writes);
+    `extra` fields join every request's body."""
     slo = slo or Slo()
     before = scrape(metrics_url) if metrics_url else None
     records, duration = asyncio.run(
-        run_requests(base_url, requests, model, max_concurrency, timeout, progress)
+        run_requests(base_url, requests, model, max_concurrency, timeout, progress, extra)
     )
     m = compute_metrics(records, duration, slo, requests)
     result: dict[str, Any] = {
@@ -354,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-url", default="", help="Prometheus endpoint to diff before/after")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--no-records", action="store_true", help="leave per-request records out")
+    p.add_argument("--extra-body", default="", help="JSON object added to every request body")
     p.add_argument("--out", default="", help="JSON result file")
     a = p.parse_args(argv)
     result = benchmark(
@@ -365,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         a.metrics_url,
         a.timeout,
         keep_records=not a.no_records,
+        extra=json.loads(a.extra_body) if a.extra_body else None,
     )
     print(format_table(result))
     if a.out:
