@@ -1,12 +1,15 @@
 """What is chat's own: the prompt (the chat template over the messages) and the answers.
 
 `chat_job` turns a chat request into a `Job` (its prompt through `chat_prompt`,
-its sampling through `inputs.sampling_params`); `ChatView` renders the
-choices' events as chat completions, whole or streamed.
+its sampling through `inputs.sampling_params`, constrained for tool calls);
+`ChatView` renders the choices' events as chat completions, whole or streamed,
+with each choice's output parsed into tool calls when the request's tool_choice
+says so (`tools.py`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 from subway.frontend.choices import ChoiceEvent, ChoiceGroup
@@ -29,31 +32,56 @@ from subway.frontend.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
     Usage,
+)
+from subway.frontend.tools import (
+    CallPiece,
+    Piece,
+    ToolParser,
+    check_tools,
+    finish_reason,
+    rendered_tools,
+    template_messages,
+    template_source,
+    template_takes_tools,
+    tool_grammar,
+    tool_parser,
 )
 from subway.frontend.views import View
 
 
 def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
+    check_tools(req)
     prompt = chat_prompt(req, tokenizer, limits)
     max_tokens = resolve_max_tokens(
         req.requested_max_tokens, len(prompt.ids), limits, limits.chat_max_tokens
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return Job([prompt], [sampling_params(req, max_tokens, top, limits)])
+    grammar = tool_grammar(req)
+    constraint = {"grammar": grammar} if grammar is not None else {}
+    return Job([prompt], [sampling_params(req, max_tokens, top, limits, **constraint)])
 
 
 def chat_prompt(
     req: ChatCompletionRequest, tokenizer, limits: Limits, check_length: bool = True
 ) -> Prompt:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    """The conversation through the chat template, with the request's tools: as the
+    template's `tools` if it knows them, else as a system prompt of our own."""
+    tools = rendered_tools(req)
+    native = template_takes_tools(template_source(tokenizer, req.chat_template, bool(tools)))
+    messages = template_messages(req.messages, tools, native)
     try:
         text = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             tokenize=False,
+            **({"tools": tools} if tools and native else {}),
             **({"chat_template": req.chat_template} if req.chat_template is not None else {}),
             **(req.chat_template_kwargs or {}),
         )
@@ -63,6 +91,10 @@ def chat_prompt(
     if check_length:
         _check_length(prompt, limits, "messages")
     return prompt
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChatView(View):
@@ -75,21 +107,26 @@ class ChatView(View):
 
     async def chunks(self, group: ChoiceGroup) -> AsyncIterator[ChatCompletionChunk]:
         req = self.req
+        parsers = [tool_parser(req) for _ in range(self.n)]
         for i in range(req.n):
             delta = DeltaMessage(role="assistant", content="")
             yield self._chunk([ChatChunkChoice(index=i, delta=delta)])
         completion_tokens = 0
         async for ev in group.events():
             completion_tokens += len(ev.token_ids)
-            if not (ev.text or ev.finish_reason or ev.logprobs):
+            parser = parsers[ev.index]
+            delta = (
+                _delta(parser, ev.text, ev.finish_reason is not None)
+                if parser is not None
+                else DeltaMessage(content=ev.text or None)
+            )
+            finish = finish_reason(ev.finish_reason, parser)
+            if not (delta.content or delta.tool_calls or finish or ev.logprobs):
                 continue
             lp = (
                 chat_logprobs(self.tokenizer, ev.logprobs) if ev.logprobs and req.logprobs else None
             )
-            delta = DeltaMessage(content=ev.text or None)
-            choice = ChatChunkChoice(
-                index=ev.index, delta=delta, logprobs=lp, finish_reason=ev.finish_reason
-            )
+            choice = ChatChunkChoice(index=ev.index, delta=delta, logprobs=lp, finish_reason=finish)
             yield self._chunk([choice])
         if req.include_usage:
             yield self._chunk([], self.usage(completion_tokens))
@@ -102,15 +139,56 @@ class ChatView(View):
             into.content += chat_logprobs(self.tokenizer, ev.logprobs).content or []
 
     def response(self, texts, lps, finish, usage: Usage) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=texts[i]),
-                logprobs=lps[i],
-                finish_reason=finish[i],
+        choices = []
+        for i in range(self.n):
+            parser = tool_parser(self.req)
+            message = AssistantMessage(content=texts[i])
+            if parser is not None:
+                message = _message(parser.feed(texts[i]) + parser.finish())
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=lps[i],
+                    finish_reason=finish_reason(finish[i], parser),
+                )
             )
-            for i in range(self.n)
-        ]
         return ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=choices, usage=usage
         )
+
+
+def _delta(parser: ToolParser, text: str, last: bool) -> DeltaMessage:
+    """One streamed piece of a choice whose output is parsed for calls: its content and
+    its pieces of calls (the first piece of a call names it and gets the call's id)."""
+    pieces = parser.feed(text) if text else []
+    if last:
+        pieces += parser.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls = [
+        DeltaToolCall(
+            index=p.index,
+            id=new_call_id() if p.name is not None else None,
+            type="function" if p.name is not None else None,
+            function=DeltaFunctionCall(name=p.name, arguments=p.arguments),
+        )
+        for p in pieces
+        if isinstance(p, CallPiece)
+    ]
+    return DeltaMessage(content=content or None, tool_calls=calls or None)
+
+
+def _message(pieces: list[Piece]) -> AssistantMessage:
+    """A whole answer from its pieces: the content (None if there were calls and no text)
+    and the calls, their pieces joined by index."""
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls: list[ResponseToolCall] = []
+    for p in pieces:
+        if isinstance(p, str):
+            continue
+        if p.name is not None:
+            calls.append(ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(
+                name=p.name, arguments=p.arguments)))  # fmt: skip
+        else:
+            calls[p.index].function.arguments += p.arguments
+    return AssistantMessage(content=content or (None if calls else ""), tool_calls=calls)

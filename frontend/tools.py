@@ -1,0 +1,481 @@
+"""Tool (function) calling on /v1/chat/completions: the request's tools checked, rendered
+into the prompt, turned into an output constraint, and the output parsed into calls.
+
+`tool_choice` (`tool_mode`), as vLLM's:
+
+- "none" (the default without tools): the tools are not rendered (a model told about
+  tools writes calls that nobody would parse; vLLM renders them by default) and the
+  output is never parsed into calls;
+- "auto" (the default with tools): the output is free; `HermesParser` finds
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it;
+- "required": the output is constrained to a JSON array of calls, each
+  `{"name": <a tool>, "parameters": <its arguments>}` (`required_schema`), read by
+  `ArrayParser`;
+- a named function: the output is constrained to its parameters' schema, and
+  the output text is the call's arguments (`NamedParser`).
+
+Templates that know tools (they mention `tools`, as Qwen2.5's) get them as
+`tools=[...]` and the conversation's calls as `tool_calls`; a template that does
+not (SmolLM2's plain ChatML) gets a Hermes-style system prompt that lists the
+functions, the calls as `<tool_call>` blocks and the results as `<tool_response>`
+blocks in a user turn (`template_messages`).
+
+A parser turns output text, fed piece by piece as it streams, into `Piece`s:
+content text and `CallPiece`s. Fed the whole text at once it gives the same
+content and calls, so a streamed answer and a whole one agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import jsonschema
+
+from subway.frontend.errors import APIError
+from subway.frontend.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    NamedToolChoice,
+    ToolCall,
+)
+from subway.ipc.messages import Grammar
+
+ToolMode = Literal["none", "auto", "required", "named"]
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode:
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return "named"
+    if choice is None or (choice == "auto" and not req.tools):
+        return "auto" if req.tools else "none"
+    return choice
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """The 400s of a request's tools and tool_choice."""
+    tools = req.tools or []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in names:
+            raise APIError(400, f"two tools are named {fn.name!r}", f"tools[{i}].function.name")
+        names.add(fn.name)
+        _check_parameters(fn, f"tools[{i}].function.parameters")
+    if tool_mode(req) not in ("required", "named"):
+        return
+    choice = req.tool_choice
+    if not tools:
+        raise APIError(400, "tool_choice required or a named function needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(
+            400, f"tool_choice names {choice.function.name!r}, which is not a tool", "tool_choice"
+        )
+    if _constrained(req):
+        raise APIError(
+            400,
+            "tool_choice required or a named function constrains the output itself: "
+            "it cannot be combined with response_format or structured_outputs",
+            "tool_choice",
+        )
+
+
+def _constrained(req: ChatCompletionRequest) -> bool:
+    """The request asks for structured output of its own (any spelling)."""
+    fmt = req.response_format
+    return (
+        (fmt is not None and fmt.type != "text")
+        or req.structured_outputs is not None
+        or any(
+            v is not None
+            for v in (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+        )
+    )
+
+
+def _check_parameters(fn: FunctionDefinition, param: str) -> None:
+    schema = fn.parameters
+    if schema is None:
+        return
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise APIError(400, f"the parameters of {fn.name!r} must be an object's schema, "
+                       f"not of type {json.dumps(kind)[:64]}", param)  # fmt: skip
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise APIError(400, f"the parameters of {fn.name!r} are not a valid JSON schema: "
+                       f"{e.message[:200]}", param) from None  # fmt: skip
+    except Exception as e:  # an unresolvable $schema, a recursion: still the client's
+        raise APIError(400, f"the parameters of {fn.name!r} are not a usable JSON schema: "
+                       f"{type(e).__name__}", param) from None  # fmt: skip
+
+
+# ---------------------------------------------------------------- constraints
+
+
+def parameters_schema(fn: FunctionDefinition) -> dict:
+    return fn.parameters if fn.parameters is not None else NO_PARAMETERS
+
+
+def required_schema(req: ChatCompletionRequest) -> dict:
+    """A JSON array of 1+ calls (at most 1 without parallel_tool_calls), each one of the tools."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "parameters": parameters_schema(t.function),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in req.tools or []
+    ]
+    schema: dict = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
+    if not req.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_function(req: ChatCompletionRequest) -> FunctionDefinition:
+    choice = req.tool_choice
+    assert isinstance(choice, NamedToolChoice)
+    return next(t.function for t in req.tools or [] if t.function.name == choice.function.name)
+
+
+def tool_grammar(req: ChatCompletionRequest) -> Grammar | None:
+    """The output constraint of the request's tool_choice (None: unconstrained)."""
+    mode = tool_mode(req)
+    if mode == "required":
+        return Grammar("json_schema", json.dumps(required_schema(req)))
+    if mode == "named":
+        return Grammar("json_schema", json.dumps(parameters_schema(named_function(req))))
+    return None
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def rendered_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as the prompt shows them (None: not shown, as with tool_choice "none")."""
+    if not req.tools or tool_mode(req) == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": t.function.model_dump(exclude_none=True, exclude={"strict"}),
+        }
+        for t in req.tools
+    ]
+
+
+def template_source(tokenizer, chat_template: str | None, with_tools: bool) -> str:
+    """The template text apply_chat_template will use (a tokenizer may hold named ones)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):
+        if chat_template in own:
+            return own[chat_template]
+        if chat_template is None:
+            return own.get("tool_use" if with_tools and "tool_use" in own else "default", "")
+    return chat_template if chat_template is not None else own or ""
+
+
+def template_takes_tools(source: str) -> bool:
+    return "tools" in source
+
+
+def hermes_system_prompt(tools: list[dict]) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to answer the user. The functions are "
+        "described by their JSON signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, answer with a JSON object holding the function's name "
+        "and its arguments within <tool_call></tool_call> XML tags:\n"
+        f'{CALL_START}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_END}'
+    )
+
+
+def template_messages(
+    messages: list[ChatMessage], tools: list[dict] | None, native: bool
+) -> list[dict]:
+    """The conversation as the chat template takes it; `native`: the template knows tools."""
+    if native:
+        return [_native_message(m) for m in messages]
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool":  # consecutive results share one user turn
+            block = f"<tool_response>\n{m.text()}\n</tool_response>"
+            if i and messages[i - 1].role == "tool":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif m.tool_calls:
+            blocks = "\n".join(_call_block(c) for c in m.tool_calls)
+            text = m.text()
+            out.append({"role": m.role, "content": f"{text}\n{blocks}" if text else blocks})
+        else:
+            out.append({"role": m.role, "content": m.text()})
+    if tools:
+        prompt = hermes_system_prompt(tools)
+        system = next((m for m in out if m["role"] == "system"), None)
+        if system is not None:
+            system["content"] = f"{system['content']}\n\n{prompt}" if system["content"] else prompt
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments(text: str):
+    """A call's arguments as templates take them: the parsed object (its text if not JSON)."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        return text
+
+
+def _call_block(call: ToolCall) -> str:
+    args = _arguments(call.function.arguments)
+    body = {"name": call.function.name, "arguments": args}
+    return f"{CALL_START}\n{json.dumps(body, ensure_ascii=False)}\n{CALL_END}"
+
+
+def _native_message(m: ChatMessage) -> dict:
+    out: dict = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    if m.role == "tool":
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            out["name"] = m.name
+    return out
+
+
+# ---------------------------------------------------------------- parsing the output
+
+
+@dataclass
+class CallPiece:
+    """A piece of call `index` of a choice: the first names it, the rest add arguments."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+
+
+Piece = str | CallPiece  # content text, or a piece of a call
+
+
+class ToolParser:
+    """Output text in, pieces out; `finish` once the output has ended."""
+
+    calls = 0  # calls begun
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+def tool_parser(req: ChatCompletionRequest) -> ToolParser | None:
+    """A parser for one choice of `req` (None: the output is only content)."""
+    mode = tool_mode(req)
+    if mode == "auto":
+        return HermesParser()
+    if mode == "required":
+        return ArrayParser()
+    if mode == "named":
+        return NamedParser(named_function(req).name)
+    return None
+
+
+def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:
+    """A choice that made calls ends with "tool_calls", unless cut ("length", "abort", ...)."""
+    if reason == "stop" and parser is not None and parser.calls:
+        return "tool_calls"
+    return reason
+
+
+def _call(text: str, arguments_key: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call's JSON, or None if it is not one. Hermes
+    models write "arguments", some "parameters": `arguments_key` first, then the other."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    other = "parameters" if arguments_key == "arguments" else "arguments"
+    args = obj.get(arguments_key, obj.get(other, {}))
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class HermesParser(ToolParser):
+    """`auto`: content, then `<tool_call>` blocks. A block whose JSON is not a call stays
+    content; whitespace alone between calls, or between a call and either end, is dropped;
+    a last block left open is a call if its JSON is whole. Text that may begin a block's
+    marker is held until the next piece tells."""
+
+    def __init__(self) -> None:
+        self.pending = ""  # outside a block: text not shown yet; inside: the block's body
+        self.inside = False
+        self.held = ""  # inside a block: the blank text before it, shown if it is no call
+        self.shown = False  # text of the current run (since the last call) has been shown
+        self.after_call = False  # the last block was a call
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        self.pending += text
+        while True:
+            if self.inside:
+                end = self.pending.find(CALL_END)
+                if end < 0:
+                    return out
+                body, self.pending = self.pending[:end], self.pending[end + len(CALL_END) :]
+                self._close(body, CALL_END, out)
+                continue
+            start = self.pending.find(CALL_START)
+            if start >= 0:
+                before, self.pending = self.pending[:start], self.pending[start + len(CALL_START) :]
+                if self.shown or before.strip():
+                    self._show(before, out)
+                    self.held = ""
+                else:
+                    self.held = before
+                self.inside = True
+                continue
+            keep = _marker_prefix(self.pending, CALL_START)
+            ready = self.pending[: len(self.pending) - keep]
+            if self.shown or ready.strip():
+                self._show(ready, out)
+                self.pending = self.pending[len(ready) :]
+            return out
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self.inside:
+            self._close(self.pending, "", out)
+        elif self.shown or self.pending.strip() or not self.after_call:
+            self._show(self.pending, out)
+        self.pending = ""
+        return out
+
+    def _close(self, body: str, end: str, out: list[Piece]) -> None:
+        call = _call(body, "arguments")
+        self.inside = False
+        if call is None:
+            self._show(self.held + CALL_START + body + end, out)
+            self.after_call = False
+        else:
+            out.append(CallPiece(self.calls, call[1], call[0]))
+            self.calls += 1
+            self.after_call, self.shown = True, False
+        self.held = ""
+
+    def _show(self, text: str, out: list[Piece]) -> None:
+        if text:
+            out.append(text)
+            self.shown = True
+
+
+class ArrayParser(ToolParser):
+    """`required`: a JSON array of `{"name", "parameters"}` objects; each call is given
+    whole once its object closes. Output that holds no call is content (the grammar
+    did not hold, or the output was cut)."""
+
+    def __init__(self) -> None:
+        self.raw: list[str] = []
+        self.depth = 0  # nesting: 1 inside the array, 2+ inside a call
+        self.in_string = False
+        self.escaped = False
+        self.item: list[str] = []  # the call being read
+
+    def feed(self, text: str) -> list[Piece]:
+        self.raw.append(text)
+        out: list[Piece] = []
+        for ch in text:
+            if self.depth >= 2:
+                self.item.append(ch)
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = self.depth >= 1
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.item = [ch]
+            elif ch in "]}" and self.depth > 0:
+                self.depth -= 1
+                if self.depth == 1:
+                    self._item(out)
+        return out
+
+    def _item(self, out: list[Piece]) -> None:
+        call = _call("".join(self.item), "parameters")
+        self.item = []
+        if call is not None:
+            out.append(CallPiece(self.calls, call[1], call[0]))
+            self.calls += 1
+
+    def finish(self) -> list[Piece]:
+        text = "".join(self.raw)
+        return [text] if not self.calls and text else []
+
+
+class NamedParser(ToolParser):
+    """A named function: the output text is the arguments, streamed as it comes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def feed(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        if self.calls:
+            return [CallPiece(0, text)]
+        self.calls = 1
+        return [CallPiece(0, text, self.name)]
+
+    def finish(self) -> list[Piece]:
+        """A call with empty arguments if the output had no text (a cut at once)."""
+        if self.calls:
+            return []
+        self.calls = 1
+        return [CallPiece(0, "", self.name)]

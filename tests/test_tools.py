@@ -1,0 +1,308 @@
+"""Tool (function) calling: the prompt, the constraints, the output parser, and the API end to
+end through the `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from subway.frontend.errors import APIError
+from subway.frontend.protocol import ChatCompletionRequest
+from subway.frontend.tools import (
+    ArrayParser,
+    CallPiece,
+    HermesParser,
+    NamedParser,
+    ToolParser,
+    check_tools,
+    required_schema,
+    tool_grammar,
+    tool_mode,
+)
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "The local time in a time zone",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 12}},
+        "required": ["zone"],
+    },
+}
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
+HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain on day 3"},
+]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": ASK, **fields})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+def prompt_text(req: ChatCompletionRequest, tokenizer) -> str:
+    from subway.frontend.chat import chat_prompt
+    from subway.frontend.inputs import Limits
+
+    return chat_prompt(req, tokenizer, Limits(4096, len(tokenizer))).text
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_a_template_without_tools_gets_them_in_a_hermes_system_prompt(tokenizer):
+    text = prompt_text(chat(tools=TOOLS), tokenizer)
+    listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(t) for t in listed] == TOOLS
+    assert text.startswith("<|im_start|>system\n") and "<tool_call>" in text
+    assert "SmolLM" not in text  # our system message replaced the template's default
+    assert "<tools>" not in prompt_text(chat(), tokenizer)
+
+
+def test_the_tools_join_the_first_system_message(tokenizer):
+    req = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
+    text = prompt_text(req, tokenizer)
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\nYou may call")
+    assert text.count("<|im_start|>system") == 1
+
+
+def test_tool_choice_none_renders_no_tools(tokenizer):
+    assert "<tools>" not in prompt_text(chat(tools=TOOLS, tool_choice="none"), tokenizer)
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        assert "<tools>" in prompt_text(chat(tools=TOOLS, tool_choice=choice), tokenizer)
+
+
+def test_calls_and_results_in_the_conversation_render_as_blocks(tokenizer):
+    req = ChatCompletionRequest.model_validate({"messages": HISTORY})
+    text = prompt_text(req, tokenizer)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    assert f"<|im_start|>assistant\n{call}<|im_end|>" in text
+    responses = (
+        "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>\n"
+        "<tool_response>\nrain on day 3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert text.endswith(responses)
+
+
+NATIVE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments.days }}]{% endfor %}"
+    "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+)
+
+
+def test_a_template_that_knows_tools_gets_them_as_they_are(tokenizer):
+    req = ChatCompletionRequest.model_validate(
+        {"messages": HISTORY, "tools": TOOLS, "chat_template": NATIVE}
+    )
+    lines = prompt_text(req, tokenizer).splitlines()
+    assert json.loads(lines[0].removeprefix("TOOLS ")) == TOOLS
+    # The arguments reach the template as an object; content None as "".
+    assert lines[3] == "assistant: [call_1 get_weather 3]"
+    assert lines[4:] == ["tool: sunny, 21 C(call_1)", "tool: rain on day 3(call_2)"]
+
+
+# ---------------------------------------------------------------- checks and constraints
+
+
+def test_tool_choice_defaults():
+    assert tool_mode(chat()) == "none" and tool_mode(chat(tools=TOOLS)) == "auto"
+    assert tool_mode(chat(tool_choice="auto")) == "none"
+    assert tool_grammar(chat(tools=TOOLS)) is None
+    assert tool_grammar(chat(tools=TOOLS, tool_choice="none")) is None
+
+
+def test_required_is_an_array_of_calls_of_the_tools():
+    schema = required_schema(chat(tools=TOOLS, tool_choice="required"))
+    valid = [{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}}]
+    jsonschema.validate(valid, schema)
+    jsonschema.validate([*valid, {"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
+    bad = [
+        [],
+        [{"name": "get_time", "parameters": {"city": "Tokyo", "days": 2}}],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}],
+        [{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}, "x": 1}],
+        {"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}},
+    ]
+    for b in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(b, schema)
+    single = required_schema(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    jsonschema.validate(valid, single)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(valid * 2, single)
+
+
+def test_the_grammars_compile_and_a_named_one_is_the_parameters():
+    import xgrammar as xgr
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        grammar = tool_grammar(chat(tools=TOOLS, tool_choice=choice))
+        assert grammar is not None and grammar.kind == "json_schema"
+        xgr.Grammar.from_json_schema(grammar.spec)
+    named = tool_grammar(chat(tools=TOOLS, tool_choice={"function": {"name": "get_time"}}))
+    assert json.loads(named.spec) == TIME["parameters"]
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    named = tool_grammar(chat(tools=bare, tool_choice={"function": {"name": "ping"}}))
+    assert json.loads(named.spec) == {"type": "object", "properties": {}}
+
+
+BAD_REQUESTS = [
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+    {"tools": [{"function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
+    {"tools": [TOOLS[0], TOOLS[0]]},
+    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a+"}},
+    {"tools": TOOLS, "tool_choice": {"function": {"name": "get_time"}}, "guided_regex": "a"},
+]
+
+
+@pytest.mark.parametrize("fields", BAD_REQUESTS)
+def test_bad_tool_requests_are_400s(fields):
+    with pytest.raises(APIError) as e:
+        check_tools(chat(**fields))
+    assert e.value.status == 400
+
+
+def test_auto_with_structured_outputs_is_allowed():
+    check_tools(chat(tools=TOOLS, structured_outputs={"regex": "a+"}))
+    check_tools(chat(tools=TOOLS, tool_choice="required", response_format={"type": "text"}))
+
+
+# ---------------------------------------------------------------- parsing the output
+
+
+def block(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and calls (name, arguments) of an output fed in `pieces`, joined by index."""
+    out = [p for text in pieces for p in parser.feed(text)] + parser.finish()
+    content = "".join(p for p in out if isinstance(p, str))
+    calls: list[list[str]] = []
+    for p in out:
+        if isinstance(p, CallPiece):
+            if p.name is not None:
+                assert p.index == len(calls)
+                calls.append([p.name, p.arguments])
+            else:
+                calls[p.index][1] += p.arguments
+    return content, [(n, a) for n, a in calls]
+
+
+HERMES = [
+    ("Hello there", "Hello there", []),
+    ("   ", "   ", []),
+    (block("f", {"a": 1}), "", [("f", '{"a": 1}')]),
+    (
+        f"Let me look.\n{block('f', {'a': 'x'})}\n{block('g', {})}\n",
+        "Let me look.\n",
+        [("f", '{"a": "x"}'), ("g", "{}")],
+    ),
+    ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+    (f"\n{block('f', {})} and more", " and more", [("f", "{}")]),
+    ('<tool_call>\n{"name": "f", "arguments": {"b": [1]}}\n', "", [("f", '{"b": [1]}')]),
+    ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
+    ("a < b <tool", "a < b <tool", []),
+    ('<tool_call>["f"]</tool_call>', '<tool_call>["f"]</tool_call>', []),
+    ('<tool_call>{"name": "f", "parameters": {"q": "é"}}</tool_call>', "", [("f", '{"q": "é"}')]),
+    (
+        f" {block('f', {})}\n<tool_call>bad</tool_call>",
+        "\n<tool_call>bad</tool_call>",
+        [("f", "{}")],
+    ),
+]
+
+ARRAY = [
+    (
+        '[{"name": "f", "parameters": {"s": "]}\\"{["}}, {"name": "g", "parameters": {}}]',
+        "",
+        [("f", '{"s": "]}\\"{["}'), ("g", "{}")],
+    ),
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "par', "", [("f", '{"a": 1}')]),
+    ('[{"name": "f", "par', '[{"name": "f", "par', []),
+    ("no calls here", "no calls here", []),
+]
+
+
+def splits(text: str):
+    """The text whole, in two at every point, in three, and one character at a time."""
+    yield [text]
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    for i in range(0, len(text), 3):
+        yield [text[:i], text[i : i + 5], text[i + 5 :]]
+    yield list(text)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES)
+def test_hermes_calls_are_found_however_the_text_is_cut(text, content, calls):
+    for pieces in splits(text):
+        assert run(HermesParser(), pieces) == (content, calls), pieces
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), ARRAY)
+def test_required_calls_are_found_however_the_text_is_cut(text, content, calls):
+    for pieces in splits(text):
+        assert run(ArrayParser(), pieces) == (content, calls), pieces
+
+
+def test_named_arguments_are_the_text_as_it_comes():
+    parser = NamedParser("get_time")
+    assert parser.feed('{"zone": ') == [CallPiece(0, '{"zone": ', "get_time")]
+    assert parser.feed('"UTC"}') == [CallPiece(0, '"UTC"}')]
+    assert parser.finish() == []
+    assert NamedParser("f").finish() == [CallPiece(0, "", "f")]
+
+
+def test_content_streams_before_a_call_and_only_a_marker_prefix_waits():
+    parser = HermesParser()
+    assert parser.feed("Sure thing <to") == ["Sure thing "]
+    assert parser.feed("ol_call>\n{") == []
+    assert parser.feed('"name": "f"}\n</tool_call>') == [CallPiece(0, "{}", "f")]
+    assert parser.feed("\n") == [] and parser.finish() == []
+    parser = HermesParser()
+    assert parser.feed("<to") == [] and parser.feed("p") == ["<top"]
