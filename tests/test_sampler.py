@@ -1,10 +1,15 @@
-"""The sampler: greedy, restricted supports, seeded reproducibility, logprobs."""
+"""The sampler: greedy, restricted supports, seeded reproducibility, logprobs, and the
+constraints (a grammar's mask, logit_bias, min_tokens)."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from subway.ipc.messages import SamplingParams
+from subway.worker.grammar import TokenMask
 from subway.worker.sampler import Sampler, SampleRequest
 
 # probabilities 0.5, 0.3, 0.1, 0.05, 0.05 (and a long tail of nothing)
@@ -111,3 +116,91 @@ def test_penalties():
     # frequency penalty scales with the count
     row = SampleRequest(SamplingParams(temperature=0.0, frequency_penalty=0.05), 3, [1, 0, 0, 0], 1)
     assert sampler(logits, [row]).tokens.tolist() == [1]
+
+
+# ---------------------------------------------------------------- constraints
+
+EOS = 7
+
+
+def _bitmask(allowed: dict[int, list[int]], rows: int, vocab: int) -> TokenMask:
+    """A grammar's mask by hand: row r may sample only `allowed[r]`; other rows unmasked."""
+    bits = np.zeros((rows, -(-vocab // 32)), dtype=np.uint32)
+    for r, ids in allowed.items():
+        for t in ids:
+            bits[r, t // 32] |= np.uint32(1 << (t % 32))
+    return TokenMask(torch.from_numpy(bits.view(np.int32)), sorted(allowed))
+
+
+def test_logit_bias_forces_and_forbids_and_logprobs_stay_raw():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen)
+    top = logits.argmax(-1).tolist()
+    rows = [
+        SampleRequest(
+            SamplingParams(temperature=0.0, logit_bias={123: 100.0}, logprobs=2), 0, [], 0
+        ),
+        SampleRequest(SamplingParams(temperature=0.0, logit_bias={top[1]: -100.0}), 0, [], 0),
+        SampleRequest(SamplingParams(temperature=0.0, logprobs=1), 0, [], 0),
+        SampleRequest(SamplingParams(temperature=1.0, seed=4, logit_bias={9: 100.0}), 0, [], 0),
+    ]
+    out = Sampler(torch.device("cpu"))(logits, rows)
+    assert out.tokens.tolist()[:3] == [123, logits[1].topk(2).indices[1].item(), top[2]]
+    assert out.tokens[3] == 9  # sampled, seeded: the bias still decides
+    raw = logits.log_softmax(-1)
+    assert abs(out.logprobs[0] - float(raw[0, 123])) < 1e-5  # the raw logprob of the forced id
+    assert out.top_ids[0] == raw[0].topk(2).indices.tolist()
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
+    logits = torch.full((1, 20), -5.0)
+    logits[0, EOS], logits[0, 11], logits[0, 3] = 9.0, 8.0, 1.0  # EOS, then stop id 11, then 3
+    sampler = Sampler(torch.device("cpu"), eos_token_ids=[EOS, 19])
+
+    def pick(generated: int, **kw) -> int:
+        p = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[11], **kw)
+        return int(sampler(logits, [SampleRequest(p, generated, [], 0)]).tokens[0])
+
+    assert [pick(g) for g in (0, 3, 4, 9)] == [3, 3, EOS, EOS]
+    assert [pick(g, ignore_eos=True) for g in (0, 4)] == [EOS, EOS]  # EOS free; stop id held
+    logits[0, EOS] = -5.0
+    assert [pick(g, ignore_eos=True) for g in (0, 4)] == [3, 11]
+    # sampled rows too: never EOS nor a stop id before min_tokens
+    hot = SamplingParams(temperature=2.0, min_tokens=1, stop_token_ids=[11])
+    many = sampler(logits.repeat(500, 1), [SampleRequest(hot, 0, [], 0)] * 500).tokens
+    assert not set(many.tolist()) & {EOS, 19, 11}
+
+
+def test_grammar_mask_limits_its_rows_and_leaves_the_others_bit_identical():
+    vocab = 70
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(8))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_k=20),
+        SamplingParams(temperature=0.7, seed=3),
+    ]
+    rows = [SampleRequest(p, 2, [1, 2, 3], 1) for p in params]
+    allowed = {0: [40, 41], 1: [1, 33, 64], 4: [5]}
+    spread = set()
+    for seed in range(30):  # a generator in the same state for both: the same draws
+        plain = Sampler(torch.device("cpu"), seed=seed)(logits, rows).tokens.tolist()
+        sampler = Sampler(torch.device("cpu"), seed=seed)
+        t = sampler(logits, rows, _bitmask(allowed, 8, vocab)).tokens.tolist()
+        assert t[0] == 40 + int(logits[0, 41] > logits[0, 40])  # greedy: the masked argmax
+        assert t[1] in (1, 33, 64) and t[4] == 5
+        assert t[2] == plain[2] and t[3] == plain[3]  # unconstrained rows: unchanged
+        spread.add(t[3])
+    assert len(spread) > 1  # and the unconstrained sampled row did sample
+
+
+def test_a_grammar_that_must_end_wins_over_min_tokens():
+    vocab = 40
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=0.0, min_tokens=5, logprobs=0)
+    rows = [SampleRequest(p, 0, [], 0), SampleRequest(p, 0, [], 0)]
+    mask = _bitmask({0: [EOS], 1: [EOS, 30]}, 2, vocab)
+    out = Sampler(torch.device("cpu"), eos_token_ids=[EOS])(logits, rows, mask)
+    assert out.tokens.tolist() == [EOS, 30]  # row 0 may only end; row 1 may go on
+    assert all(math.isfinite(x) for x in out.logprobs)

@@ -13,6 +13,7 @@ from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
 from subway.worker.cuda_graph import maybe_decode_graphs
+from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.loader import load_weights
 from subway.worker.model import CausalLM
@@ -108,8 +109,12 @@ class ModelRunner:
             arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
-        self.sampler = Sampler(self.device, config.model.seed)
+        self.sampler = Sampler(self.device, config.model.seed, self.eos_token_ids)
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
+        self.grammars = Grammars(  # rank 0: SamplingParams.grammar
+            config.model.tokenizer or self.path, self.vocab_size, self.eos_token_ids,
+            self.device, config.scheduler.max_num_seqs,
+        )  # fmt: skip
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}
         self.failed: set[int] = set()  # dropped after a failed step; the scheduler ends them
@@ -196,6 +201,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self._close_prompts()
+        self.grammars.close()
 
     def drop(self, plan: Plan) -> list[int]:
         """After a failed step: forget every sequence the plan touched (their KV is suspect);
@@ -205,8 +211,20 @@ class ModelRunner:
         for sid in ids:
             self.seqs.pop(sid, None)
         self.prompt_lps.forget(list(ids))
+        self.grammars.forget(list(ids))
         self.failed |= ids
         return sorted(ids)
+
+    def _grammar_step(self, seq_ids: list[int]) -> GrammarStep | None:
+        """The grammar mask of this step's sampled rows (rank 0). A grammar that does not
+        compile fails the step on every rank alike: rank 0 broadcasts -1 tokens, which
+        the other ranks read as a PlanError, then raises its own."""
+        try:
+            return self.grammars.prepare(seq_ids)
+        except GrammarError as e:
+            failed = torch.full((len(seq_ids),), -1, dtype=torch.int64, device=self.device)
+            self.tp.broadcast(failed)
+            raise PlanError(str(e)) from e
 
     # ------------------------------------------------------------------ one step
 
@@ -221,6 +239,9 @@ class ModelRunner:
             self.failed.difference_update(plan.finished)
         if self.prompt_lps.active:
             self.prompt_lps.forget(plan.finished)
+        grammars = self.grammars
+        if grammars.active:
+            grammars.forget(plan.finished)
         for sid in plan.preempted:
             if sid in seqs:
                 seqs[sid].block_table.clear()
@@ -229,6 +250,10 @@ class ModelRunner:
             seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling)
             if self.rank == 0 and ns.sampling.prompt_logprobs is not None:
                 self.prompt_lps.add(ns.seq_id, ns.sampling, len(ids))
+            if self.rank == 0 and ns.sampling.grammar is not None:
+                grammars.add(ns.seq_id, ns.sampling.grammar)  # compiles while the step runs
+            elif grammars.active:
+                grammars.forget([ns.seq_id])  # a sequence id sent again, now unconstrained
         steps = plan.seqs
         if self.failed:  # steps planned before the scheduler saw the failure
             steps = [s for s in steps if s.seq_id not in self.failed]
@@ -261,8 +286,10 @@ class ModelRunner:
                     f"worker has {len(st.tokens)} tokens and {len(st.block_table)} blocks"
                 )
             input_ids += st.tokens[step.start_pos : end]
-            if step.sample:
+            if step.sample and len(st.tokens) > end:
                 del st.tokens[end:]  # a later token the scheduler discarded; the sample replaces it
+                if grammars.active:
+                    grammars.truncate(step.seq_id, end - st.prompt_len)
             qlens[i] = step.num_tokens
             ctx[i] = end
             states.append(st)
@@ -303,6 +330,7 @@ class ModelRunner:
             logits = None
 
         out = None
+        constrained: GrammarStep | None = None
         if self.rank == 0:
             rows = []
             for i in sampling:
@@ -311,11 +339,17 @@ class ModelRunner:
                 rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
             if logits is None:
                 logits = self.model.compute_logits(hidden)
-            out = self.sampler(logits, rows)
+            if grammars.active:  # filled on the host while the device computes the logits
+                constrained = self._grammar_step([steps[i].seq_id for i in sampling])
+            out = self.sampler(logits, rows, constrained.mask if constrained else None)
             token_tensor = out.tokens
         else:
             token_tensor = torch.empty(len(sampling), dtype=torch.int64, device=dev)
         tokens = self.tp.broadcast(token_tensor.to(torch.int64)).tolist()
+        if self.rank != 0 and tokens and min(tokens) < 0:
+            raise PlanError(f"step {plan.step}: failed on rank 0 (a grammar)")
+        if constrained is not None:
+            constrained.accept(tokens)
 
         for i, tok in zip(sampling, tokens, strict=True):
             states[i].tokens.append(tok)

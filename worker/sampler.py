@@ -1,8 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds, logprobs,
+and the constraints: a grammar's mask, logit_bias, min_tokens.
 
 Every step works on the whole batch at once: per-row parameters become
-columns (one tensor each) and no torch operation runs per row. A batch that is
-all greedy without penalties takes a fast path (an argmax). Sampling is the
+columns (one tensor each) and no torch operation runs per row. The order:
+raw logits (float32) -> grammar mask, logit_bias, min_tokens -> penalties ->
+temperature, top-k, top-p, min-p -> sample. A batch that is all greedy with
+none of the others takes a fast path (an argmax); a greedy batch with a
+constraint takes the argmax of its constrained scores. Sampling is the
 exponential race (`argmax(p / E)`, `E ~ Exp(1)`), which draws exactly from `p`
 with one noise tensor per row.
 
@@ -11,14 +15,16 @@ generated so far, vocabulary index) computed on the device: its tokens do not
 depend on what else is in the batch, nor on whether it was preempted and
 recomputed. Unseeded requests share one generator.
 
-Logprobs are those of the raw logits (before penalties, temperature and
-truncation), as vLLM reports them by default; prompt logprobs likewise.
+Logprobs are those of the raw logits (before the constraints, penalties,
+temperature and truncation), as vLLM reports them by default; prompt logprobs likewise.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -83,35 +89,125 @@ def seeded_exponential(
     return -torch.log(u)
 
 
+class LogitMask(Protocol):
+    """Allowed tokens of some rows (`rows`); `apply` sets the others to -inf, in place."""
+
+    rows: list[int]
+
+    def apply(self, scores: torch.Tensor) -> None: ...
+
+
 def has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, seed: int = 0, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)  # what min_tokens holds back (unless ignore_eos)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRequest], mask: LogitMask | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row; `mask` (a grammar's, rank 0) limits some rows' tokens."""
         params = [r.params for r in rows]
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
+        adjusted = any(r.params.logit_bias or r.num_generated < r.params.min_tokens for r in rows)
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not penalised:  # the fast path
-            # In float32, as transformers does (and the CPU's bfloat16 argmax is a slow scalar loop).
-            raw = logits.float()
-            tokens = raw.argmax(dim=-1)
-            out = SamplerOutput(tokens=tokens)
-            if want_logprobs:
-                self._logprobs(raw, tokens, params, out)
-            return out
+        # In float32, as transformers does (and the CPU's bfloat16 argmax is a slow scalar loop).
         raw = logits.float()
-        scores = self._apply_penalties(raw, rows, penalised) if penalised else raw
-        tokens = self._sample(scores, rows, params, greedy)
+        if all(greedy) and not penalised and not adjusted and mask is None:  # the fast path
+            tokens = raw.argmax(dim=-1)
+        else:
+            # In place on a float copy nobody else reads; else on a clone (logprobs read raw).
+            own = raw is not logits and not want_logprobs
+            scores = self._constrain(raw, rows, mask, adjusted, own)
+            if penalised:
+                scores = self._apply_penalties(scores, rows, penalised)
+            tokens = self._sample(scores, rows, params, greedy)
         out = SamplerOutput(tokens=tokens)
         if want_logprobs:
             self._logprobs(raw, tokens, params, out)
         return out
+
+    def _constrain(
+        self,
+        raw: torch.Tensor,
+        rows: list[SampleRequest],
+        mask: LogitMask | None,
+        adjusted: bool,
+        own: bool,
+    ) -> torch.Tensor:
+        """The grammar mask, logit_bias and min_tokens, batch-wide: on `raw` in place if
+        `own`, else on a copy; `raw` itself when none applies."""
+        bias = self._bias_entries(rows, raw.device) if adjusted else None
+        held = self._held_back(rows) if adjusted else None
+        if mask is None and bias is None and held is None:
+            return raw
+        scores = raw if own else raw.clone()
+        if mask is not None:
+            mask.apply(scores)
+        if bias is not None:
+            scores.index_put_(bias[0], bias[1], accumulate=True)
+        if held is not None:
+            self._hold_back(scores, held, mask)
+        return scores
+
+    @staticmethod
+    def _bias_entries(
+        rows: list[SampleRequest], dev: torch.device
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """logit_bias of every row as flat (row, id) indices and values, or None."""
+        row_of: list[int] = []
+        ids: list[int] = []
+        values: list[float] = []
+        for i, r in enumerate(rows):
+            bias = r.params.logit_bias
+            if bias:
+                row_of += [i] * len(bias)
+                ids += bias.keys()
+                values += bias.values()
+        if not ids:
+            return None
+        index = (torch.tensor(row_of, device=dev), torch.tensor(ids, device=dev))
+        return index, torch.tensor(values, dtype=torch.float32, device=dev)
+
+    def _held_back(self, rows: list[SampleRequest]) -> tuple[list[int], list[int]] | None:
+        """(rows, ids) that min_tokens keeps from being sampled yet: the stop ids, and EOS
+        unless ignore_eos, of every row with fewer than min_tokens tokens generated."""
+        row_of: list[int] = []
+        ids: list[int] = []
+        eos = self.eos_token_ids
+        for i, r in enumerate(rows):
+            p = r.params
+            if r.num_generated < p.min_tokens:
+                held = p.stop_token_ids if p.ignore_eos else [*eos, *p.stop_token_ids]
+                row_of += [i] * len(held)
+                ids += held
+        return (row_of, ids) if ids else None
+
+    def _hold_back(
+        self, scores: torch.Tensor, held: tuple[list[int], list[int]], mask: LogitMask | None
+    ) -> None:
+        """min_tokens: the held-back ids to -inf, in place. A row whose grammar allows
+        nothing else (it must end now) keeps its grammar's choice: the grammar wins."""
+        dev = scores.device
+        index = (torch.tensor(held[0], device=dev), torch.tensor(held[1], device=dev))
+        minus_inf = torch.tensor(float("-inf"), device=dev)
+        both = sorted(set(held[0]).intersection(mask.rows)) if mask is not None else []
+        if not both:
+            scores.index_put_(index, minus_inf)
+            return
+        which = torch.tensor(both, device=dev)
+        before = scores.index_select(0, which)
+        scores.index_put_(index, minus_inf)
+        after = scores.index_select(0, which)
+        nothing_left = torch.isneginf(after).all(dim=-1, keepdim=True)
+        scores.index_copy_(0, which, torch.where(nothing_left, before, after))
 
     # ------------------------------------------------------------------ pieces
 
