@@ -306,3 +306,192 @@ def test_content_streams_before_a_call_and_only_a_marker_prefix_waits():
     assert parser.feed("\n") == [] and parser.finish() == []
     parser = HermesParser()
     assert parser.feed("<to") == [] and parser.feed("p") == ["<top"]
+
+
+# ---------------------------------------------------------------- end to end
+#
+# Every request below runs at once, in one fixture (`results`): one batch on the engine,
+# so the module stays short; each test then reads its own answers.
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    from serving import Server
+
+    s = Server(default_model, "--served-model-name", "m")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def answers(client, stream: bool, **fields) -> list:
+    """Each choice's message and finish_reason, streamed ones assembled by the client's own
+    stream state (calls joined by index), as `openai` users get them."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    body = {"model": "m", "messages": fields.pop("messages", ASK), **fields}
+    extra = {k: body.pop(k) for k in ("structured_outputs",) if k in body}
+    if not stream:
+        return client.chat.completions.create(**body, extra_body=extra).choices
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**body, extra_body=extra, stream=True):
+        for c in chunk.choices:
+            for piece in c.delta.tool_calls or []:
+                first = piece.function is not None and piece.function.name is not None
+                assert (piece.id is not None) == first and (piece.type is not None) == first
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot.choices
+
+
+def literal(text: str) -> str:
+    """A regex that matches `text` alone."""
+    return "".join("\\" + ch if ch in "\\.^$|?*+()[]{}" else ch for ch in text)
+
+
+FORCED_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+)
+CONSTRAINED = {
+    "required": "required",
+    "get_weather": {"type": "function", "function": {"name": "get_weather"}},
+    "get_time": {"type": "function", "function": {"name": "get_time"}},
+}
+MODES = ("whole", "stream")
+
+
+def requests() -> dict[tuple[str, str, str], dict]:
+    """(what, whole or stream, how) -> the request's fields."""
+    out = {}
+    for mode in MODES:
+        seed = MODES.index(mode) + 1
+        for what, choice in CONSTRAINED.items():
+            fields = dict(tools=TOOLS, tool_choice=choice, max_tokens=48)
+            out[what, mode, "greedy"] = dict(fields, temperature=0.0)
+            out[what, mode, "sampled"] = dict(fields, temperature=0.8, seed=seed, n=3)
+        out["single", mode, "sampled"] = dict(tools=TOOLS, tool_choice="required", max_tokens=48,
+                                              parallel_tool_calls=False, temperature=0.8, seed=3, n=3)  # fmt: skip
+        forced = {"regex": literal("Sure.\n" + FORCED_CALL)}
+        out["auto", mode, "text+call"] = dict(tools=TOOLS, structured_outputs=forced, max_tokens=60)
+        forced = {"regex": literal(FORCED_CALL)}
+        out["auto", mode, "call"] = dict(tools=TOOLS, structured_outputs=forced, max_tokens=60)
+        out["none", mode, "call"] = dict(tools=TOOLS, tool_choice="none", structured_outputs=forced,
+                                         max_tokens=60)  # fmt: skip
+        out["none", mode, "sampled"] = dict(tools=TOOLS, tool_choice="none", max_tokens=24,
+                                            temperature=0.8, seed=seed, n=2)  # fmt: skip
+    out["history", "whole", "tools"] = dict(messages=HISTORY, tools=TOOLS, max_tokens=16)
+    out["history", "whole", "plain"] = dict(messages=HISTORY, max_tokens=16)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(client) -> dict[tuple[str, str, str], list]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    asked = requests()
+    with ThreadPoolExecutor(len(asked)) as pool:
+        futures = {
+            key: pool.submit(answers, client, key[1] == "stream", **fields)
+            for key, fields in asked.items()
+        }
+        return {key: f.result() for key, f in futures.items()}
+
+
+def calls_of(choice) -> list[tuple[str, dict]]:
+    calls = choice.message.tool_calls or []
+    assert len({c.id for c in calls}) == len(calls)
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def check_valid_calls(choices, only: str | None = None) -> None:
+    for choice in choices:
+        calls = calls_of(choice)
+        assert calls, choice
+        for name, args in calls:
+            assert name == only if only else name in SCHEMAS
+            jsonschema.validate(args, SCHEMAS[name])
+        assert choice.finish_reason in ("tool_calls", "length"), choice.finish_reason
+        assert choice.finish_reason == "length" or not choice.message.content
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_required_calls_always_validate(results, mode):
+    for how in ("greedy", "sampled"):
+        choices = results["required", mode, how]
+        assert len(choices) == (3 if how == "sampled" else 1)
+        check_valid_calls(choices)
+    single = results["single", mode, "sampled"]
+    check_valid_calls(single)
+    assert all(len(c.message.tool_calls) == 1 for c in single)
+    assert all(c.finish_reason == "tool_calls" for c in single)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_named_function_is_always_called(results, mode):
+    for name in ("get_weather", "get_time"):
+        for how in ("greedy", "sampled"):
+            choices = results[name, mode, how]
+            check_valid_calls(choices, only=name)
+            assert all(len(c.message.tool_calls) == 1 for c in choices)
+
+
+def test_streamed_and_whole_greedy_calls_agree(results):
+    for what in CONSTRAINED:
+        whole, streamed = results[what, "whole", "greedy"], results[what, "stream", "greedy"]
+        assert calls_of(whole[0]) == calls_of(streamed[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_auto_parses_a_call_the_model_writes(results, mode):
+    for how, content in (("text+call", "Sure.\n"), ("call", None)):
+        (choice,) = results["auto", mode, how]
+        assert calls_of(choice) == [("get_weather", {"city": "Paris", "days": 3})]
+        # A stream's first chunk has content "" (as OpenAI's): "" and None are alike there.
+        assert (choice.message.content or None) == content
+        assert choice.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_none_never_makes_calls(results, mode):
+    (choice,) = results["none", mode, "call"]
+    assert choice.message.content == FORCED_CALL and not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
+    choices = results["none", mode, "sampled"]
+    assert len(choices) == 2
+    assert all(not c.message.tool_calls and c.finish_reason != "tool_calls" for c in choices)
+
+
+def test_a_conversation_with_calls_and_results_is_answered(results):
+    for how in ("tools", "plain"):
+        (choice,) = results["history", "whole", how]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+
+
+MALFORMED = [
+    {"tools": "get_weather"},
+    {"tools": [{"type": "function"}]},
+    {"tools": [{"type": "other", "function": WEATHER}]},
+    {"tools": [{"type": "function", "function": {**WEATHER, "name": "get weather"}}]},
+    {"tools": [{"type": "function", "function": {**WEATHER, "parameters": "object"}}]},
+    {"tools": TOOLS, "tool_choice": "sometimes"},
+    {"tools": TOOLS, "tool_choice": {"type": "function"}},
+]
+
+
+def test_bad_tool_requests_get_400_and_the_server_serves_on(server):
+    import httpx
+
+    for fields in BAD_REQUESTS + MALFORMED:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **fields})
+        assert r.status_code == 400, (fields, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], error
+    body = {"messages": ASK, "max_tokens": 2, "tools": TOOLS}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
