@@ -52,7 +52,7 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode:
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         return "named"
-    if choice is None or (choice == "auto" and not req.tools):
+    if choice is None or choice == "auto":  # auto without tools: nothing to call
         return "auto" if req.tools else "none"
     return choice
 
