@@ -55,6 +55,7 @@ class ChoiceSpec:
     sampling: SamplingParams
     stops: list[str]
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"
@@ -71,10 +72,11 @@ class ChoiceEvent:
 
 
 def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]:
-    """`req.n` choices per prompt of `job`, each its own engine request `{request_id}-{index}`."""
+    """`req.runs_per_prompt` choices per prompt of `job` (`n`, or a completion's `best_of`),
+    each its own engine request `{request_id}-{index}`."""
     specs = []
     for prompt, sampling in zip(job.prompts, job.sampling, strict=True):
-        for j in range(req.n):
+        for j in range(req.runs_per_prompt):
             index = len(specs)
             specs.append(
                 ChoiceSpec(
@@ -84,6 +86,7 @@ def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]
                     sampling=_choice_sampling(sampling, j),
                     stops=req.stop_strings(),
                     skip_special_tokens=req.skip_special_tokens,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
                     priority=req.priority,
                     slo_ttft_ms=req.slo_ttft_ms,
                     slo_class=req.slo_class,
@@ -115,7 +118,14 @@ async def run_choice(
     last_token_at: float | None = None
     observed = False
     num_tokens = 0
-    detok = Detokenizer(tokenizer, spec.prompt_ids, spec.stops, spec.skip_special_tokens)
+    detok = Detokenizer(
+        tokenizer,
+        spec.prompt_ids,
+        spec.stops,
+        spec.skip_special_tokens,
+        include_stop=spec.include_stop_str_in_output,
+        min_tokens=spec.sampling.min_tokens,
+    )
 
     def observe_tokens(n: int, delta: RequestDelta) -> None:
         nonlocal last_token_at, num_tokens
@@ -160,8 +170,13 @@ async def run_choice(
             if delta.finish_reason == "error":
                 raise GenerationError(f"the engine failed request {spec.request_id}")
             ids = delta.token_ids
-            # A token-id stop (EOS, stop_token_ids) counts as output but shows no text.
-            stop_token = delta.finish_reason == "stop" and len(ids) > 0
+            # A token-id stop (EOS, stop_token_ids) counts as output but shows no text,
+            # unless include_stop_str_in_output (as vLLM: then it is decoded as any token).
+            stop_token = (
+                delta.finish_reason == "stop"
+                and len(ids) > 0
+                and not spec.include_stop_str_in_output
+            )
             step = detok.add(ids[:-1] if stop_token else ids)
             used = step.num_tokens if step.stopped else len(ids)
             event = ChoiceEvent(

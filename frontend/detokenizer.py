@@ -110,10 +110,17 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts text at the first stop string, holding back any tail that may start one."""
+    """Cuts text at the first stop string, holding back any tail that may start one.
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    `include_stop`: the text keeps the stop string that ended it (vLLM's
+    include_stop_str_in_output). Text fed with `check=False` (a request's first
+    `min_tokens` tokens) is released as it comes and matched against nothing; a
+    stop string that ends after it may still start inside it, as in vLLM.
+    """
+
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.text = ""  # everything fed so far
         self.released = 0  # len of text already handed out
         self.stopped = False
@@ -129,19 +136,28 @@ class StopStringMatcher:
                     break
         return best
 
-    def feed(self, piece: str) -> str:
+    def _first_stop(self) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string that ends in unreleased text (the
+        shortest of those that start there)."""
+        best = None
+        for stop in self.stops:
+            i = self.text.find(stop, max(0, self.released - len(stop) + 1))
+            if i >= 0 and (best is None or (i, i + len(stop)) < best):
+                best = (i, i + len(stop))
+        return best
+
+    def feed(self, piece: str, check: bool = True) -> str:
         """Add text; returns what may be shown now. Sets `stopped` when a stop string appears."""
         if self.stopped or not piece:
             return ""
         self.text += piece
-        if not self.stops:
+        if not self.stops or not check:
+            out = self.text[self.released :]
             self.released = len(self.text)
-            return piece
-        longest = max(len(s) for s in self.stops)
-        start = max(0, self.released - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            end = min(hits)
+            return out
+        hit = self._first_stop()
+        if hit is not None:
+            end = hit[1] if self.include_stop else hit[0]
             self.stopped = True
         else:
             end = len(self.text) - self._held_tail()
@@ -166,7 +182,10 @@ class DetokenizedStep:
 
 
 class Detokenizer:
-    """One request's output text: incremental decoding followed by stop strings."""
+    """One request's output text: incremental decoding followed by stop strings.
+
+    No stop string is matched in the text of the first `min_tokens` tokens (vLLM v1's
+    min_tokens: the engine samples no EOS or stop id before then either)."""
 
     def __init__(
         self,
@@ -174,21 +193,27 @@ class Detokenizer:
         prompt_ids: Sequence[int] = (),
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.decoder = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-        self.matcher = StopStringMatcher(stops)
+        self.matcher = StopStringMatcher(stops, include_stop)
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # ids added so far
 
     def add(self, token_ids: Sequence[int]) -> DetokenizedStep:
         pieces = []
         for i, token_id in enumerate(token_ids):
-            pieces.append(self.matcher.feed(self.decoder.add(token_id)))
+            self.num_tokens += 1
+            piece = self.decoder.add(token_id)
+            pieces.append(self.matcher.feed(piece, check=self.num_tokens > self.min_tokens))
             if self.matcher.stopped:
                 return DetokenizedStep("".join(pieces), i + 1, True)
         return DetokenizedStep("".join(pieces), len(token_ids), False)
 
     def finish(self) -> DetokenizedStep:
         """The request ended on the engine's side: release everything held back."""
-        text = self.matcher.feed(self.decoder.flush())
+        text = self.matcher.feed(self.decoder.flush(), check=self.num_tokens > self.min_tokens)
         if self.matcher.stopped:
             return DetokenizedStep(text, 0, True)
         return DetokenizedStep(text + self.matcher.flush(), 0, False)

@@ -11,6 +11,13 @@ With `echo`, a completion's text starts with its prompt; with `echo` and
 as evaluation harnesses read them to score answers. `max_tokens` 0 is allowed
 with `echo`: the prompt alone (the engine still runs the prefill when logprobs
 are asked, and its one generated token is dropped; without them, nothing runs).
+
+`sampling_params` also maps `logit_bias` (ids inside the vocabulary),
+`min_tokens` (at most max_tokens) and the output's grammar (the request's
+structured output, `grammar.request_grammar`, unless the caller has one of its
+own: a tool call's). A completion's `best_of` runs more choices than it returns,
+ranked by their cumulative logprob, so its choices always ask for the sampled
+tokens' logprobs (shown only if the client asked).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from pydantic import BaseModel, ValidationError
 
 from subway.frontend.admission import check_fan_out
 from subway.frontend.errors import APIError, from_validation_error
+from subway.frontend.grammar import request_grammar
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import SamplingParams
+from subway.ipc.messages import Grammar, SamplingParams
 
 R = TypeVar("R", bound=BaseModel)
 DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's; a chat's is `Limits.chat_max_tokens`
@@ -113,10 +121,19 @@ _RESERVED_TEMPLATE_ARGS = frozenset(
 
 def check_request(req: SamplingRequest, config: EngineConfig) -> None:
     """What the HTTP endpoints refuse first: another model, a completion's `suffix`, more
-    sequences than --max-seqs-per-request, a chat template from the request (unless
+    sequences (n, or best_of) than --max-seqs-per-request, a chat template from the request (unless
     --trust-request-chat-template: a template is code)."""
     check_model(req, config)
     check_fan_out(req, config)
+    limit = config.server.max_seqs_per_request
+    runs = req.num_prompts * req.runs_per_prompt
+    if limit > 0 and runs > limit:
+        raise APIError(
+            400,
+            f"{req.num_prompts} prompt(s) x best_of={req.runs_per_prompt} make {runs} sequences; "
+            f"this server takes at most {limit} per request",
+            "best_of",
+        )
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if isinstance(req, ChatCompletionRequest):
@@ -155,6 +172,12 @@ def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
     prompts = completion_prompts(req, tokenizer, limits)
     no_output = req.max_tokens == 0
     want_prompt_lps = req.echo and req.logprobs is not None
+    # best_of ranks its runs by their cumulative logprob: the engine sends the sampled
+    # tokens' logprobs even when the client asked none (the views show none then).
+    logprobs = req.logprobs
+    if logprobs is None and req.runs_per_prompt > req.n:
+        logprobs = 0
+    grammar = request_grammar(req)
     sampling = []
     for prompt in prompts:
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), limits, DEFAULT_MAX_TOKENS)
@@ -162,9 +185,10 @@ def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
             sampling_params(
                 req,
                 max(1, max_tokens),
-                req.logprobs,
+                logprobs,
                 limits,
                 prompt_logprobs=req.logprobs if want_prompt_lps else None,
+                grammar=grammar,
             )
         )
     return Job(prompts, sampling, no_output, run_engine=not no_output or want_prompt_lps)
@@ -240,10 +264,20 @@ def sampling_params(
     logprobs: int | None,
     limits: Limits,
     prompt_logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
+    """The engine's SamplingParams of one prompt's choices. `grammar`: the output's
+    constraint when the caller has one of its own (a tool call's); else the request's
+    structured output, if any (`grammar.request_grammar`)."""
     stop_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_ids, limits, "stop_token_ids")
     top_k = req.top_k if req.top_k not in (None, 0) else -1
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    check_token_ids(sorted(bias), limits, "logit_bias")
+    if req.min_tokens > max_tokens:
+        raise APIError(
+            400, f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", "min_tokens"
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -258,4 +292,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=bias,
+        min_tokens=req.min_tokens,
+        grammar=grammar if grammar is not None else request_grammar(req),
     )

@@ -22,6 +22,10 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
 
+GRAMMAR_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
 # (name, help, value): the engine's gauges and counters, straight from its EngineStats.
 ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
@@ -107,6 +111,18 @@ class Metrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to the first scheduled step."
         )
+        self.grammar_seconds = Histogram(
+            "subway:grammar_compile_seconds",
+            "Time the frontend took to compile (check) a structured-output grammar.",
+            label,
+            buckets=GRAMMAR_BUCKETS,
+            registry=r,
+        )
+        self.grammar_compiles = counter(
+            "grammar_compiles",
+            "Structured-output grammars compiled by the frontend, by result (cold, cached, error).",
+            ("result",),
+        )
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
             self.queue_time,
@@ -114,6 +130,9 @@ class Metrics:
             metric.labels(model_name)  # every series exists from the start, at 0
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
+        self.grammar_seconds.labels(model_name)
+        for result in ("cold", "cached", "error"):
+            self.grammar_compiles.labels(model_name, result)
 
     def observe_stats(self, s: EngineStats) -> None:
         """The scheduler's latest figures, exported as they are at the next scrape."""
@@ -139,6 +158,12 @@ class Metrics:
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.success.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(max(0.0, e2e))
+
+    def observe_grammar_compile(self, result: str, seconds: float) -> None:
+        """One grammar compiled by the frontend's check: "cold", "cached" or "error"."""
+        m = self.model_name
+        self.grammar_compiles.labels(m, result).inc()
+        self.grammar_seconds.labels(m).observe(max(0.0, seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

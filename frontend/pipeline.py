@@ -5,7 +5,10 @@ One request goes through the same stages whichever the endpoint:
 
 1. `inputs.py`: the body is parsed and checked, and becomes a `Job` (prompt ids
    and sampling parameters); parsing and the job (chat template, tokenization)
-   run off the event loop, time-limited (`admission.Offload`);
+   run off the event loop, time-limited (`admission.Offload`); then each
+   distinct grammar of the job (structured outputs, tool calls) is compiled
+   once, off the event loop under `--grammar-timeout` (`check_grammars`), so
+   that an invalid or too slow one is a 400 and never reaches the engine;
 2. `admit`: the job fans out into one engine request per choice, all submitted
    at once (`choices.py`, which reaches the scheduler through `engine_client.py`);
 3. the choices' events become the API's bodies (a `View`: `ChatView`,
@@ -26,6 +29,7 @@ generated token (`Job.no_output`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +49,7 @@ from subway.frontend.choices import (
 )
 from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
 from subway.frontend.errors import APIError
+from subway.frontend.grammar import GrammarChecker, request_constraint
 from subway.frontend.inputs import (
     IGNORED_HEADER,
     Job,
@@ -76,9 +81,32 @@ class ServingContext:
     tokenizer: object
     metrics: Metrics | None = None
     offload: Offload = field(init=False)  # parsing, chat templates, tokenization
+    grammar_offload: Offload = field(init=False)  # grammar checks, under --grammar-timeout
+    _checker: GrammarChecker | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.offload = Offload(self.config.server.template_timeout)
+        self.grammar_offload = Offload(self.config.server.grammar_timeout)
+
+    async def grammar_checker(self) -> GrammarChecker:
+        """The checker for the engine's vocabulary, made on first use (its tokenizer
+        info takes ~0.1 s: on a thread, outside any request's grammar time limit; two
+        first requests at once may both make one, and the last made is kept)."""
+        info = self.engine.link.info
+        if info is None:
+            raise APIError(503, "the engine is not ready yet")
+        checker = self._checker
+        if checker is None or checker.vocab != (info.vocab_size, list(info.eos_token_ids)):
+            on_compile = self.metrics.observe_grammar_compile if self.metrics else None
+            try:
+                checker = await asyncio.to_thread(
+                    GrammarChecker, self.tokenizer, info.vocab_size, info.eos_token_ids, on_compile
+                )
+            except Exception as e:  # a tokenizer xgrammar cannot read: no structured outputs
+                log.error("cannot compile grammars for this tokenizer: %r", e)
+                raise APIError(500, "structured outputs are not available for this model") from e
+            self._checker = checker
+        return checker
 
     def limits(self) -> Limits:
         link = self.engine.link
@@ -113,6 +141,7 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     job = await ctx.offload.run(
         api.prepare, req, ctx.tokenizer, ctx.limits(), what=api.preparing, param=api.input
     )
+    await check_grammars(ctx, job, req)
     group = admit(ctx, req, request_id, job, record, request)
     view = api.view(req, job, request_id, ctx.config.model.served_model_name, ctx.tokenizer)
     if req.stream:
@@ -124,6 +153,24 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     except Exception as e:
         raise engine_failure(e) from e
     return JSONResponse(body.model_dump(), headers=headers)
+
+
+async def check_grammars(ctx: ServingContext, job: Job, req: SamplingRequest) -> None:
+    """Compile each distinct grammar of the job's sampling once, on the grammar workers
+    under `--grammar-timeout`: an invalid one is a 400 with xgrammar's message, one
+    that takes longer is a 400 too. A compile runs inside xgrammar's C++ code, which
+    the time limit cannot interrupt: the request is answered at the limit, but the
+    compile's thread stays counted (of `Offload.workers`) until the compile ends."""
+    grammars = list(dict.fromkeys(sp.grammar for sp in job.sampling if sp.grammar is not None))
+    if not grammars:
+        return
+    checker = await ctx.grammar_checker()
+    given = request_constraint(req)  # the field named in an error, when it is the request's
+    for grammar in grammars:
+        param = given[0] if given is not None and given[1] == grammar else None
+        await ctx.grammar_offload.run(
+            checker.check, grammar, param, what="compiling the grammar", param=param
+        )
 
 
 def admit(
@@ -142,7 +189,7 @@ def admit(
     if not job.run_engine:
         return None
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    check_job_size(job.prompt_tokens, req.n, ctx.config, param)
+    check_job_size(job.prompt_tokens, req.runs_per_prompt, ctx.config, param)
     try:
         return ChoiceGroup(
             ctx.engine,

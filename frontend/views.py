@@ -3,6 +3,10 @@ API's bodies, whole (`View.whole`) or streamed (`View.chunks`).
 
 `CompletionView` is `/v1/completions`'; the chat view lives in `chat.py` beside
 the rest of what is chat's own.
+
+A completion's `best_of` runs more sequences per prompt than it returns: the
+whole answer keeps, per prompt, the `n` runs of the highest cumulative logprob,
+best first (vLLM's best_of; never streamed).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ class View:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
-        self.n = len(job.prompts) * req.n  # choice i belongs to prompt i // req.n
+        self.n = len(job.prompts) * req.n  # choices returned: i belongs to prompt i // req.n
+        self.per_prompt = req.runs_per_prompt  # sequences run per prompt (best_of)
+        self.runs = len(job.prompts) * self.per_prompt  # run i belongs to prompt i // per_prompt
 
     def usage(self, completion_tokens: int) -> Usage:
         prompt_tokens = self.job.prompt_tokens
@@ -47,9 +53,10 @@ class View:
     async def whole(self, group: ChoiceGroup | None) -> BaseModel:
         """The answer in one body, once every choice has ended (no group: nothing to run)."""
         texts = self.openings()
-        counts = [0] * self.n
-        finish: list[str | None] = ["length" if group is None else None] * self.n
-        lps = [self.new_logprobs() for _ in range(self.n)]
+        counts = [0] * self.runs
+        finish: list[str | None] = ["length" if group is None else None] * self.runs
+        lps = [self.new_logprobs() for _ in range(self.runs)]
+        cumulative = [0.0] * self.runs  # each run's summed logprob (best_of ranks by it)
         if group is not None:
             async for raw in group.events():
                 ev = self.shown(raw)
@@ -59,13 +66,32 @@ class View:
                 texts[i] += ev.text
                 counts[i] += len(ev.token_ids)
                 finish[i] = ev.finish_reason or finish[i]
-        return self.response(texts, lps, finish, self.usage(sum(counts)))
+                cumulative[i] += sum(lp.logprob or 0.0 for lp in raw.logprobs or ())
+        keep = self.best(cumulative)
+        return self.response(
+            [texts[k] for k in keep],
+            [lps[k] for k in keep],
+            [finish[k] for k in keep],
+            self.usage(sum(counts[k] for k in keep)),
+        )
+
+    def best(self, cumulative: list[float]) -> list[int]:
+        """The runs returned, in the order of the answer's choices: all of them, or with
+        best_of the `n` of each prompt with the highest cumulative logprob, best first."""
+        per, n = self.per_prompt, self.req.n
+        if per == n:
+            return list(range(self.runs))
+        keep = []
+        for start in range(0, self.runs, per):
+            runs = sorted(range(start, start + per), key=lambda k: -cumulative[k])
+            keep += runs[:n]
+        return keep
 
     # What each API does its own way.
 
     def openings(self) -> list[str]:
-        """Each choice's text before its first event."""
-        return [""] * self.n
+        """Each run's text before its first event."""
+        return [""] * self.runs
 
     def shown(self, ev: ChoiceEvent) -> ChoiceEvent:
         return ev
@@ -90,10 +116,10 @@ class CompletionView(View):
         return CompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def openings(self) -> list[str]:
-        """The echoes: each choice's prompt, when `echo`."""
+        """The echoes: each run's prompt, when `echo`."""
         if not self.req.echo:
-            return [""] * self.n
-        prompts = [self.job.prompts[i // self.req.n] for i in range(self.n)]
+            return [""] * self.runs
+        prompts = [self.job.prompts[i // self.per_prompt] for i in range(self.runs)]
         return [p.text if p.text is not None else self.tokenizer.decode(p.ids) for p in prompts]
 
     def shown(self, ev: ChoiceEvent) -> ChoiceEvent:

@@ -2,7 +2,9 @@
 
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
-or JSON. The address is `config.server.client_addr`, by default
+or JSON; structured outputs (`structured_outputs`, `response_format`,
+`guided_*` in `params`) are compiled and refused as there (`check_grammars`).
+The address is `config.server.client_addr`, by default
 `ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`).
 A client that goes away is noticed when an answer cannot be routed to it
 (ROUTER_MANDATORY): its request is then aborted.
@@ -48,7 +50,13 @@ from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.inputs import check_request, client_scheduling, completion_job
 from subway.frontend.logprobs import native_logprobs
 from subway.frontend.middleware import MAX_BODY_BYTES, AccessRecord, access_log, log_access
-from subway.frontend.pipeline import ServingContext, admit, engine_failure, new_id
+from subway.frontend.pipeline import (
+    ServingContext,
+    admit,
+    check_grammars,
+    engine_failure,
+    new_id,
+)
 from subway.frontend.protocol import CompletionRequest
 from subway.ipc.sockets import bind, cleanup_ipc
 
@@ -244,6 +252,7 @@ class ClientEndpoint:
         job = await ctx.offload.run(  # tokenization off the event loop, under a time limit
             completion_job, req, ctx.tokenizer, ctx.limits(), what="tokenizing", param="prompt"
         )  # echo is ignored: it runs
+        await check_grammars(ctx, job, req)  # structured outputs: compiled as for HTTP
         return admit(ctx, req, new_id("zmq"), job, record)
 
     @staticmethod

@@ -195,3 +195,58 @@ def test_special_tokens_between_text_decode_as_the_whole(tokenizer):
     detok = Detokenizer(tokenizer, (), (), skip_special_tokens=False)
     text = detok.add(seq).text + detok.finish().text
     assert text == full_decode(tokenizer, seq, skip_special_tokens=False)
+
+
+def pieces_of(detok: Detokenizer, ids, chunks: int = 1) -> tuple[str, bool, int]:
+    """The text a request shows, whether a stop string ended it, and the ids it used."""
+    text, used = "", 0
+    for k in range(0, len(ids), chunks):
+        step = detok.add(ids[k : k + chunks])
+        text, used = text + step.text, used + step.num_tokens
+        if step.stopped:
+            return text, True, used
+    last = detok.finish()
+    return text + last.text, last.stopped, used
+
+
+def test_include_stop_keeps_the_stop_string_at_the_end(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for stop in ["k brown f", "ps ov", "dog"]:
+        for chunks in (1, 3):
+            detok = Detokenizer(tokenizer, (), [stop], include_stop=True)
+            shown, stopped, _ = pieces_of(detok, ids, chunks)
+            assert stopped and shown == text[: text.index(stop) + len(stop)], (stop, chunks)
+    # Two stops at once: the earliest wins, as without include_stop.
+    detok = Detokenizer(tokenizer, (), ["lazy", "quick brown"], include_stop=True)
+    assert pieces_of(detok, ids)[0] == "The quick brown"
+
+
+def test_no_stop_string_matches_within_min_tokens(tokenizer):
+    text = "one, two, three, four, five, six"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first = next(k for k in range(len(ids) + 1) if "," in full_decode(tokenizer, ids[:k]))
+    assert first < len(ids) - 4
+    for chunks in (1, 4):
+        shown, stopped, used = pieces_of(Detokenizer(tokenizer, (), [","]), ids, chunks)
+        assert stopped and shown == "one" and used == first
+        detok = Detokenizer(tokenizer, (), [","], min_tokens=first)
+        shown, stopped, used = pieces_of(detok, ids, chunks)
+        assert stopped and shown == "one, two", (chunks, shown)
+        # Past the text: no stop at all, everything shows.
+        detok = Detokenizer(tokenizer, (), [","], min_tokens=len(ids))
+        assert pieces_of(detok, ids, chunks) == (text, False, len(ids))
+
+
+def test_a_stop_string_may_start_inside_the_min_tokens(tokenizer):
+    """As vLLM: only the text of the first min_tokens tokens is exempt, so a stop that
+    ends after it matches even where it begins inside it; what was shown stays shown,
+    and nothing after it is."""
+    text = "alpha beta gamma delta"
+    stop = "a beta g"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    k = next(k for k in range(len(ids)) if full_decode(tokenizer, ids[:k]).startswith("alpha b"))
+    done = next(j for j in range(len(ids) + 1) if stop in full_decode(tokenizer, ids[:j]))
+    assert k < done
+    detok = Detokenizer(tokenizer, (), [stop], min_tokens=k)
+    assert pieces_of(detok, ids) == (full_decode(tokenizer, ids[:k]), True, done)

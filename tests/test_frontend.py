@@ -48,6 +48,7 @@ from subway.ipc.messages import (
     EngineReady,
     EngineStats,
     FrontendHello,
+    Grammar,
     RequestDelta,
     SamplingParams,
     ToFrontend,
@@ -730,6 +731,83 @@ def test_client_priority_is_ignored_unless_the_server_allows_it(frontend):
         assert (add.priority, add.slo_class, add.slo_ttft_ms) == (0, "interactive", None)
         plain = c.post("/v1/completions", json={"prompt": "hi"})
         assert "x-subway-ignored-fields" not in plain.headers
+
+
+def test_sampling_fields_reach_the_engine_and_bad_grammars_do_not(frontend):
+    """logit_bias, min_tokens and the output's grammar go into the request's
+    SamplingParams; a grammar that does not compile is a 400 that sends nothing."""
+    fake = frontend.fake
+    with frontend.client() as c:
+        body = {"prompt": "hi", "logit_bias": {"17": -100, "4": 2.5}, "min_tokens": 3}
+        r = c.post("/v1/completions", json=body | {"structured_outputs": {"regex": "[0-9]+"}})
+        assert r.status_code == 200, r.text
+        (add,) = [a for a in fake.adds if a.request_id == r.json()["id"] + "-0"]
+        sp = add.sampling
+        assert sp.logit_bias == {17: -100.0, 4: 2.5} and sp.min_tokens == 3
+        assert sp.grammar == Grammar("regex", "[0-9]+")
+        chat = {"messages": CHAT, "response_format": {"type": "json_object"}}
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and fake.adds[-1].sampling.grammar == Grammar("json_object")
+        r = c.post("/v1/chat/completions", json={"messages": CHAT})
+        assert fake.adds[-1].sampling.grammar is None
+        sent = len(fake.adds)
+        for bad in (
+            {"structured_outputs": {"regex": "(x"}},
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+            {"guided_grammar": "root ::= missing"},
+            {"logit_bias": {str(fake.vocab_size): 1}},
+            {"min_tokens": 17},  # above the default max_tokens of 16
+        ):
+            r = c.post("/v1/completions", json={"prompt": "hi", **bad})
+            assert r.status_code == 400 and _is_error(r.json()), (bad, r.text)
+        assert len(fake.adds) == sent
+
+
+def test_stop_string_kept_and_min_tokens(frontend):
+    """The fake echoes the prompt: 'a, b, c, d' with the stop ','."""
+    tok = frontend.tokenizer
+    prompt = "a, b, c, d"
+    ids = _ids(tok, prompt)
+    first = next(k for k in range(len(ids) + 1) if "," in tok.decode(ids[:k]))
+    with frontend.client() as c:
+
+        def text(stream: bool, **kw) -> str:
+            body = {"prompt": prompt, "stop": [","], "stream": stream, **kw}
+            if not stream:
+                return c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                events = _sse(r.iter_lines())
+            return "".join(ch["text"] for e in events[:-1] for ch in e["choices"])
+
+        for stream in (False, True):
+            assert text(stream) == "a"
+            assert text(stream, include_stop_str_in_output=True) == "a,"
+            assert text(stream, min_tokens=first) == "a, b"
+            assert text(stream, min_tokens=first, include_stop_str_in_output=True) == "a, b,"
+
+
+def test_special_tokens_shown_unless_skipped(frontend):
+    with frontend.client() as c:
+        prompt = "<|im_start|>hi<|im_end|>"
+        shown = c.post("/v1/completions", json={"prompt": prompt, "skip_special_tokens": False})
+        skipped = c.post("/v1/completions", json={"prompt": prompt})
+    assert shown.json()["choices"][0]["text"] == "<|im_start|>hi<|im_end|>"
+    assert skipped.json()["choices"][0]["text"] == "hi"
+
+
+def test_best_of_runs_more_and_returns_n(frontend):
+    fake = frontend.fake
+    with frontend.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "one two", "best_of": 3, "max_tokens": 2})
+        body = r.json()
+        assert r.status_code == 200 and len(body["choices"]) == 1
+        assert body["choices"][0]["logprobs"] is None and body["choices"][0]["text"] == "one two"
+        adds = [a for a in fake.adds if a.request_id.startswith(body["id"] + "-")]
+        assert len(adds) == 3 and all(a.sampling.logprobs == 0 for a in adds)
+        assert body["usage"]["completion_tokens"] == 2  # the returned choice's
+        for bad in ({"best_of": 1, "n": 2}, {"best_of": 2, "stream": True}):
+            r = c.post("/v1/completions", json={"prompt": "x", **bad})
+            assert r.status_code == 400, bad
 
 
 def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):

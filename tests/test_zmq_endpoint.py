@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+import types
 
 import msgspec
 import pytest
@@ -26,9 +28,13 @@ from subway.client.protocol import (
     GenerateOutput,
     GenerateRequest,
 )
+from subway.frontend.engine_client import RequestStream
+from subway.frontend.errors import APIError
+from subway.frontend.middleware import AccessRecord
 from subway.frontend.pipeline import ServingContext
 from subway.frontend.zmq_endpoint import ClientEndpoint
 from subway.ipc.config import EngineConfig
+from subway.ipc.messages import EngineReady, Grammar, SamplingParams
 
 KEY = "sekret-key"
 K = KEY.encode()
@@ -260,3 +266,57 @@ def test_envelope_limits_are_checked_by_the_client(tmp_path):
     with Client(f"ipc://{tmp_path}/none.sock") as client:
         with pytest.raises(ValueError):
             client.submit("x", request_id="r" * (MAX_REQUEST_ID_BYTES + 1))
+
+
+class RecordingEngine:
+    """Behind the endpoint's real pipeline: ready, and keeping what was submitted."""
+
+    def __init__(self, vocab_size: int) -> None:
+        ready = EngineReady(
+            num_blocks=64, block_size=16, max_model_len=256, vocab_size=vocab_size,
+            eos_token_ids=[2],
+        )  # fmt: skip
+        self.link = types.SimpleNamespace(info=ready, ready=True, error=None, stats=None)
+        self.submitted: list[SamplingParams] = []
+
+    def check_capacity(self, n: int, tokens: int = 0) -> None:
+        pass
+
+    def submit(self, request_id: str, prompt_ids, sampling: SamplingParams, **_) -> RequestStream:
+        self.submitted.append(sampling)
+        return RequestStream(request_id, time.time(), on_close=lambda _s: None)
+
+
+def test_structured_outputs_are_compiled_and_refused_as_over_http(default_model, tmp_path):
+    """The endpoint builds its sampling as /v1/completions does: the grammar, logit_bias and
+    min_tokens reach the engine; a grammar that does not compile is a 400 sent nowhere."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    engine = RecordingEngine(len(tok))
+    ctx = ServingContext(EngineConfig.build(), engine=engine, tokenizer=tok)
+    ep = ClientEndpoint(ctx, f"ipc://{tmp_path}/client.sock")
+
+    async def admit(params: dict):
+        group = await ep._admit(GenerateRequest(prompt="hi", params=params), AccessRecord())
+        group.close()
+
+    async def main():
+        await admit({"structured_outputs": {"choice": ["yes", "no"]}, "logit_bias": {"5": 1.0},
+                     "min_tokens": 2})  # fmt: skip
+        await admit({"response_format": {"type": "json_object"}})
+        for bad in (
+            {"structured_outputs": {"regex": "(x"}},
+            {"guided_json": "not json"},
+            {"guided_regex": "a", "guided_choice": ["b"]},
+            {"logit_bias": {str(len(tok)): 1.0}},
+        ):
+            with pytest.raises(APIError) as e:
+                await admit(bad)
+            assert e.value.status == 400, bad
+
+    asyncio.run(main())
+    first, second = engine.submitted
+    assert first.grammar == Grammar("ebnf", 'root ::= "yes" | "no"')
+    assert first.logit_bias == {5: 1.0} and first.min_tokens == 2
+    assert second.grammar == Grammar("json_object")
