@@ -203,3 +203,28 @@ def test_packed_linears_see_a_bounded_set_of_row_counts(monkeypatch):
             layers.linear(x, weight, bias, packed), F.linear(x, weight, bias)
         )
     assert len(seen) <= layers.EXACT_ROWS + 512 // layers.ROW_BUCKET
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 77])  # 77, 1000: a last word only partly used
+def test_token_bitmask_kernel_matches_xgrammar(vocab):
+    """Our mask kernel against xgrammar's own, on random words, zero words (none allowed)
+    and full words (all allowed), on a subset of the rows; refuses rows out of range."""
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(0)
+    rows, words = 9, -(-vocab // 32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    kind = torch.randint(0, 3, (rows, words), generator=gen)
+    bits = torch.where(kind == 0, torch.zeros_like(bits), bits)
+    bits = torch.where(kind == 1, torch.full_like(bits, -1), bits)
+    logits = torch.randn(rows, vocab, generator=gen)
+    which = [0, 3, 4, 8]
+    ours, theirs = logits.clone(), logits.clone()
+    ext.apply_token_bitmask(ours, bits, which)
+    xgr.apply_token_bitmask_inplace(theirs, bits, vocab_size=vocab, indices=which)
+    assert torch.equal(ours, theirs)
+    untouched = [r for r in range(rows) if r not in which]
+    assert torch.equal(ours[untouched], logits[untouched])
+    assert torch.isinf(ours[which]).any() and not torch.isinf(ours[untouched]).any()
+    with pytest.raises(RuntimeError):
+        ext.apply_token_bitmask(ours, bits, [rows])

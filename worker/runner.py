@@ -10,6 +10,7 @@ import torch
 from subway.ipc.config import EngineConfig, SchedulerConfig
 from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
+from subway.kernels import cpu_ext
 from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
 from subway.worker.cuda_graph import maybe_decode_graphs
@@ -114,6 +115,7 @@ class ModelRunner:
         self.grammars = Grammars(  # rank 0: SamplingParams.grammar
             config.model.tokenizer or self.path, self.vocab_size, self.eos_token_ids,
             self.device, config.scheduler.max_num_seqs,
+            cpu_ext.load() if self.device.type == "cpu" and config.model.cpu_ext else None,
         )  # fmt: skip
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}

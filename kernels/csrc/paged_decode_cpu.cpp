@@ -352,11 +352,16 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots);
 
+// mask_cpu.cpp
+void apply_token_bitmask(torch::Tensor scores, torch::Tensor bitmask, std::vector<int64_t> rows);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("generic") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding the residual (CPU)");
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
   m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
 }
