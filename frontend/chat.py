@@ -62,9 +62,8 @@ def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
         req.requested_max_tokens, len(prompt.ids), limits, limits.chat_max_tokens
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = tool_grammar(req)
-    constraint = {"grammar": grammar} if grammar is not None else {}
-    return Job([prompt], [sampling_params(req, max_tokens, top, limits, **constraint)])
+    grammar = tool_grammar(req)  # None: the request's own structured output, if any
+    return Job([prompt], [sampling_params(req, max_tokens, top, limits, grammar=grammar)])
 
 
 def chat_prompt(

@@ -186,6 +186,20 @@ def test_the_grammars_compile_and_a_named_one_is_the_parameters():
     assert json.loads(named.spec) == {"type": "object", "properties": {}}
 
 
+def test_the_job_carries_the_tool_constraint(tokenizer):
+    from subway.frontend.chat import chat_job
+    from subway.frontend.inputs import Limits
+    from subway.ipc.messages import Grammar
+
+    limits = Limits(4096, len(tokenizer))
+    for choice in ("required", {"function": {"name": "get_time"}}):
+        req = chat(tools=TOOLS, tool_choice=choice)
+        assert chat_job(req, tokenizer, limits).sampling[0].grammar == tool_grammar(req)
+    auto = chat(tools=TOOLS, structured_outputs={"regex": "a+"})  # the request's own
+    assert chat_job(auto, tokenizer, limits).sampling[0].grammar == Grammar("regex", "a+")
+    assert chat_job(chat(tools=TOOLS), tokenizer, limits).sampling[0].grammar is None
+
+
 BAD_REQUESTS = [
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"tool_choice": "required"},
