@@ -32,7 +32,7 @@ from starlette.requests import Request
 
 from subway.frontend.detokenizer import Detokenizer
 from subway.frontend.engine_client import EngineClient, EngineDeadError, RequestStream
-from subway.frontend.inputs import Job
+from subway.frontend.inputs import Job, runs_per_prompt
 from subway.frontend.logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
 from subway.frontend.metrics import Metrics
 from subway.frontend.protocol import SamplingRequest
@@ -72,11 +72,11 @@ class ChoiceEvent:
 
 
 def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]:
-    """`req.runs_per_prompt` choices per prompt of `job` (`n`, or a completion's `best_of`),
+    """`runs_per_prompt(req)` choices per prompt of `job` (`n`, or a completion's `best_of`),
     each its own engine request `{request_id}-{index}`."""
     specs = []
     for prompt, sampling in zip(job.prompts, job.sampling, strict=True):
-        for j in range(req.runs_per_prompt):
+        for j in range(runs_per_prompt(req)):
             index = len(specs)
             specs.append(
                 ChoiceSpec(

@@ -119,6 +119,12 @@ _RESERVED_TEMPLATE_ARGS = frozenset(
 )  # fmt: skip
 
 
+def runs_per_prompt(req: SamplingRequest) -> int:
+    """Sequences run for each prompt: `n`, or a completion's `best_of`, of which the `n`
+    with the highest cumulative logprob are returned (vLLM's best_of)."""
+    return getattr(req, "best_of", None) or req.n
+
+
 def check_request(req: SamplingRequest, config: EngineConfig) -> None:
     """What the HTTP endpoints refuse first: another model, a completion's `suffix`, more
     sequences (n, or best_of) than --max-seqs-per-request, a chat template from the request (unless
@@ -126,11 +132,11 @@ def check_request(req: SamplingRequest, config: EngineConfig) -> None:
     check_model(req, config)
     check_fan_out(req, config)
     limit = config.server.max_seqs_per_request
-    runs = req.num_prompts * req.runs_per_prompt
+    runs = req.num_prompts * runs_per_prompt(req)
     if limit > 0 and runs > limit:
         raise APIError(
             400,
-            f"{req.num_prompts} prompt(s) x best_of={req.runs_per_prompt} make {runs} sequences; "
+            f"{req.num_prompts} prompt(s) x best_of={runs_per_prompt(req)} make {runs} sequences; "
             f"this server takes at most {limit} per request",
             "best_of",
         )
@@ -175,7 +181,7 @@ def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
     # best_of ranks its runs by their cumulative logprob: the engine sends the sampled
     # tokens' logprobs even when the client asked none (the views show none then).
     logprobs = req.logprobs
-    if logprobs is None and req.runs_per_prompt > req.n:
+    if logprobs is None and runs_per_prompt(req) > req.n:
         logprobs = 0
     grammar = request_grammar(req)
     sampling = []

@@ -58,6 +58,7 @@ from subway.frontend.inputs import (
     client_scheduling,
     completion_job,
     parse,
+    runs_per_prompt,
 )
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import AccessRecord, access_record
@@ -189,7 +190,7 @@ def admit(
     if not job.run_engine:
         return None
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    check_job_size(job.prompt_tokens, req.runs_per_prompt, ctx.config, param)
+    check_job_size(job.prompt_tokens, runs_per_prompt(req), ctx.config, param)
     try:
         return ChoiceGroup(
             ctx.engine,

@@ -160,11 +160,6 @@ class SamplingRequest(_Request):
         """Prompts in the request (each runs `n` choices)."""
         return 1
 
-    @property
-    def runs_per_prompt(self) -> int:
-        """Sequences run for each prompt (`n`; a completion's `best_of` may ask more)."""
-        return self.n
-
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -195,15 +190,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
-        if self.stream and self.runs_per_prompt > self.n:
+        if self.stream and (self.best_of or self.n) > self.n:
             raise ValueError("best_of cannot be used with stream")
         return self
-
-    @property
-    def runs_per_prompt(self) -> int:
-        """Sequences run for each prompt: `best_of` of them, of which the `n` with the
-        highest cumulative logprob are returned (vLLM's best_of)."""
-        return self.best_of or self.n
 
 
 class ContentPart(_Request):

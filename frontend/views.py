@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel
 
 from subway.frontend.choices import ChoiceEvent, ChoiceGroup
-from subway.frontend.inputs import Job
+from subway.frontend.inputs import Job, runs_per_prompt
 from subway.frontend.logprobs import completion_logprobs, extend
 from subway.frontend.protocol import (
     CompletionChoice,
@@ -39,7 +39,7 @@ class View:
         self.model = model
         self.tokenizer = tokenizer
         self.n = len(job.prompts) * req.n  # choices returned: i belongs to prompt i // req.n
-        self.per_prompt = req.runs_per_prompt  # sequences run per prompt (best_of)
+        self.per_prompt = runs_per_prompt(req)  # sequences run per prompt (best_of)
         self.runs = len(job.prompts) * self.per_prompt  # run i belongs to prompt i // per_prompt
 
     def usage(self, completion_tokens: int) -> Usage:
