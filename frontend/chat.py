@@ -24,12 +24,12 @@ from subway.frontend.inputs import (
     sampling_params,
 )
 from subway.frontend.logprobs import chat_logprobs
-from subway.frontend.protocol import (
+from subway.frontend.protocol import ChatCompletionRequest
+from subway.frontend.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     DeltaFunctionCall,
@@ -39,10 +39,8 @@ from subway.frontend.protocol import (
     ResponseToolCall,
     Usage,
 )
+from subway.frontend.tool_parsers import CallPiece, Piece, ToolParser
 from subway.frontend.tools import (
-    CallPiece,
-    Piece,
-    ToolParser,
     check_tools,
     finish_reason,
     rendered_tools,

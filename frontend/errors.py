@@ -7,7 +7,7 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from subway.frontend.protocol import ErrorInfo, ErrorResponse
+from subway.frontend.responses import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "invalid_request_error",

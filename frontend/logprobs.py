@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from subway.frontend.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from subway.frontend.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from subway.ipc.messages import PromptLogprobs, RequestDelta
 
 

@@ -62,11 +62,7 @@ from subway.frontend.inputs import (
 )
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import AccessRecord, access_record
-from subway.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from subway.frontend.views import CompletionView, View
 from subway.ipc.config import EngineConfig
 

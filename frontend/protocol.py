@@ -1,4 +1,4 @@
-"""OpenAI API request and response models (completions, chat completions, tokenize).
+"""OpenAI API request models (completions, chat completions, tokenize); the responses are `responses.py`'s.
 
 Requests reject NaN and infinities, out-of-range sampling values, unknown
 content part types, values of the wrong JSON type (`"stream": "yes"`: strict
@@ -11,7 +11,6 @@ bounded so that every accepted value fits the engine's 64-bit fields.
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import (
@@ -19,7 +18,6 @@ from pydantic import (
     ConfigDict,
     Field,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -303,182 +301,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-# ---------------------------------------------------------------- responses
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class _Answer(BaseModel):
-    """The fields of every completion body, whole or a streamed chunk, in OpenAI's order;
-    each kind names its `object` and its choices."""
-
-    id: str
-    object: str
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list
-    usage: Usage | None = None
-
-
-class CompletionResponse(_Answer):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ResponseFunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI's
-
-
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ResponseToolCall] = []
-
-
-class DeltaFunctionCall(BaseModel):
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """One piece of a streamed call: the first names it (`id`, `type`, `function.name`),
-    the rest carry more `function.arguments`; the client joins them by `index`."""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_Answer):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class DeltaMessage(BaseModel):
-    """Serialized without its unset fields: the last chunk's delta is `{}`, as OpenAI's."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Answer):
-    """One SSE event of a streamed chat completion (`usage` only on the last when asked)."""
-
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-
-
-class CompletionChunk(CompletionResponse):
-    """One SSE event of a streamed completion: the same shape as the full response."""
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "subway"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

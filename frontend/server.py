@@ -39,13 +39,11 @@ from subway.frontend.middleware import (
     GuardMiddleware,
 )
 from subway.frontend.pipeline import ServingContext, add_generation_routes
-from subway.frontend.protocol import (
-    ChatCompletionRequest,
-    DetokenizeRequest,
+from subway.frontend.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from subway.frontend.responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )

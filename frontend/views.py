@@ -18,13 +18,12 @@ from pydantic import BaseModel
 from subway.frontend.choices import ChoiceEvent, ChoiceGroup
 from subway.frontend.inputs import Job, runs_per_prompt
 from subway.frontend.logprobs import completion_logprobs, extend
-from subway.frontend.protocol import (
+from subway.frontend.protocol import CompletionRequest, SamplingRequest
+from subway.frontend.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
-    SamplingRequest,
     Usage,
 )
 

@@ -10,12 +10,14 @@ import pytest
 
 from subway.frontend.errors import APIError
 from subway.frontend.protocol import ChatCompletionRequest
-from subway.frontend.tools import (
+from subway.frontend.tool_parsers import (
     ArrayParser,
     CallPiece,
     HermesParser,
     NamedParser,
     ToolParser,
+)
+from subway.frontend.tools import (
     check_tools,
     required_schema,
     tool_grammar,
