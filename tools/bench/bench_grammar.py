@@ -8,6 +8,11 @@ frontend's `GrammarChecker`, for the default model's vocabulary (or
 `--repeats` more times (`cached`: the compiler's cache serves them). Prints
 p50, p99 and max of each, in milliseconds, per schema and over all.
 
+Then the worker's per-step cost of a mask: 16 and 64 rows of matchers of
+`bench_structured`'s schema, each a few tokens in, their bitmask filled in one
+call, and the mask applied to float32 logits by xgrammar's CPU kernel and by
+ours (`kernels/csrc/mask_cpu.cpp`): median milliseconds of each.
+
     python -m subway.tools.bench.bench_grammar [--rounds 5] [--repeats 5] [--model PATH]
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -150,6 +156,61 @@ def run(model: str, rounds: int, repeats: int) -> None:
         )
 
 
+def _median_ms(fn, times: int = 30) -> float:
+    fn()
+    samples = []
+    for _ in range(times):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return 1000 * statistics.median(samples)
+
+
+def mask_cost(model: str) -> None:
+    """The per-step mask: fill, then apply with xgrammar's kernel and with ours."""
+    import random
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from subway.kernels import cpu_ext
+    from subway.tools.bench.bench_structured import SCHEMA
+
+    ext = cpu_ext.load()
+    tok = AutoTokenizer.from_pretrained(model)
+    vocab = len(tok)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    rng = random.Random(0)
+    print()
+    print(f"{'mask (ms)':<12}{'fill':>8}{'xgrammar apply':>16}{'our apply':>11}")
+    for rows in (16, 64):
+        fill, theirs, ours = _mask_step(compiled, rows, vocab, ext, rng)
+        print(f"{rows:>4} rows   {fill:>8.3f}{theirs:>16.3f}{ours:>11.3f}")
+
+
+def _mask_step(compiled, rows: int, vocab: int, ext, rng) -> tuple[float, float, float]:
+    """Median ms of one step's fill, xgrammar's apply and ours (NaN without our kernels)."""
+    import torch
+    import xgrammar as xgr
+
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+    bitmask = xgr.allocate_token_bitmask(rows, vocab)
+    ids = torch.arange(vocab)
+    for m in matchers:  # a few tokens into the schema, each row its own way
+        for _ in range(rng.randrange(3, 12)):
+            m.fill_next_token_bitmask(bitmask, 0)
+            allowed = torch.nonzero((bitmask[0, ids // 32] >> (ids % 32)) & 1).flatten()
+            m.accept_token(int(allowed[rng.randrange(len(allowed))]))
+    batch = xgr.BatchGrammarMatcher(2)
+    idx = list(range(rows))
+    logits = torch.randn(rows, vocab)
+    fill = _median_ms(lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask, idx))
+    theirs = _median_ms(lambda: xgr.apply_token_bitmask_inplace(logits, bitmask, indices=idx))
+    ours = _median_ms(lambda: ext.apply_token_bitmask(logits, bitmask, idx)) if ext else math.nan
+    return fill, theirs, ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="HF folder (default: the default model)")
@@ -162,6 +223,7 @@ def main() -> None:
 
         model = ensure_default_model(quiet=True)
     run(model, args.rounds, args.repeats)
+    mask_cost(model)
 
 
 if __name__ == "__main__":
