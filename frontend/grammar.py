@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from subway.frontend.errors import APIError
 from subway.frontend.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
-from subway.ipc.messages import MAX_GRAMMAR_CHARS, Grammar
+from subway.ipc.messages import JSON_OBJECT_SCHEMA, MAX_GRAMMAR_CHARS, Grammar
 
 CACHE_BYTES = 64 << 20  # what the frontend's compiler keeps of compiled grammars, at most
 SEEN_GRAMMARS = 4096  # grammars remembered as compiled (to tell cached compiles from cold)
@@ -206,7 +206,7 @@ class GrammarChecker:
         if grammar.kind == "json_schema":
             c.compile_json_schema(grammar.spec)
         elif grammar.kind == "json_object":
-            c.compile_builtin_json_grammar()
+            c.compile_json_schema(JSON_OBJECT_SCHEMA)  # an object, as the worker compiles it
         elif grammar.kind == "regex":
             c.compile_regex(grammar.spec)
         elif grammar.kind == "ebnf":

@@ -31,6 +31,7 @@ from typing import Literal
 import jsonschema
 
 from subway.frontend.errors import APIError
+from subway.frontend.grammar import request_grammar
 from subway.frontend.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -80,26 +81,13 @@ def check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(
             400, f"tool_choice names {choice.function.name!r}, which is not a tool", "tool_choice"
         )
-    if _constrained(req):
+    if request_grammar(req) is not None:  # the request asks for structured output itself
         raise APIError(
             400,
             "tool_choice required or a named function constrains the output itself: "
             "it cannot be combined with response_format or structured_outputs",
             "tool_choice",
         )
-
-
-def _constrained(req: ChatCompletionRequest) -> bool:
-    """The request asks for structured output of its own (any spelling)."""
-    fmt = req.response_format
-    return (
-        (fmt is not None and fmt.type != "text")
-        or req.structured_outputs is not None
-        or any(
-            v is not None
-            for v in (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
-        )
-    )
 
 
 def _check_parameters(fn: FunctionDefinition, param: str) -> None:

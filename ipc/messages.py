@@ -28,6 +28,7 @@ class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what kind json_object compiles as, on both sides
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's spec, at most (1 MiB of text)
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias, at most (OpenAI: 300)
 

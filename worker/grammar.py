@@ -38,11 +38,10 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from subway.ipc.messages import Grammar
+from subway.ipc.messages import JSON_OBJECT_SCHEMA, Grammar
 
 _POOL_THREADS = 2  # compiles in flight at once; each compile has its own threads below
 _COMPILER_THREADS = min(4, os.cpu_count() or 1)
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what a json_object grammar compiles to
 
 
 class GrammarError(ValueError):
