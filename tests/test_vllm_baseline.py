@@ -41,6 +41,7 @@ def _run(tput: float, itl_p50: float, tokens: list[int]) -> dict[str, Any]:
         "itl_ms": {"p50": itl_p50, "p99": 2 * itl_p50},
         "output_tokens": sum(tokens),
         "per_request_tokens": tokens,
+        "foreign_cores_during": 0.1,
     }
     return {"c64": m, "c1": m}
 
@@ -57,7 +58,7 @@ def test_ratios_use_the_median_round() -> None:
     runs["vllm"][1] = _run(250, 42, [4, 6])
     assert vs_vllm.token_agreement(runs, ["c64"]) == {"c64": False}
     text = vs_vllm.table(runs, ["c64"])
-    assert "| c64 | vllm | 2 | 250.0 | 1 / 2 | 42.0 / 84.0 | 10 |" in text
+    assert "| c64 | vllm | 2 | 250.0 | 1 / 2 | 42.0 / 84.0 | 10 | 0.10 |" in text
 
 
 class _FakeServer(BaseHTTPRequestHandler):
@@ -103,7 +104,7 @@ def test_measure_sends_greedy_ignore_eos_and_counts_tokens(monkeypatch) -> None:
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         reqs = [Request(f"r{i}", f"p{i}", 1, 5 + i) for i in range(4)]
-        out = vs_vllm.measure(url, reqs, vs_vllm.settings([4], 2))
+        out = vs_vllm.measure(url, reqs, vs_vllm.settings([4], 2), max_cores=99.0)
     finally:
         server.shutdown()
     assert out["c4"]["per_request_tokens"] == [5, 6, 7, 8]

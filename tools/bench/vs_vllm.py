@@ -62,12 +62,57 @@ def settings(concurrencies: list[int], single_stream: int) -> list[tuple[str, in
     return out
 
 
-def wait_for_quiet(max_load: float, within_s: float) -> float:
-    """Waits (up to `within_s`) for the 1-minute load average to fall below `max_load`."""
+def busy_jiffies() -> int:
+    """CPU time the whole machine has spent busy (user, system, irq, steal), in clock ticks."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    return user + nice + system + irq + softirq + steal
+
+
+def own_jiffies(root: int) -> int:
+    """CPU time of `root` and its descendants (this driver, its client and its servers)."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        parent[int(name)] = int(fields[1])
+        ticks[int(name)] = int(fields[11]) + int(fields[12])
+    mine = {root}
+    for _ in range(16):  # descendants, generation by generation
+        mine |= {p for p, pp in parent.items() if pp in mine}
+    return sum(ticks.get(p, 0) for p in mine)
+
+
+class ForeignCpu:
+    """Cores kept busy by processes other than this run's since `start()`."""
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.own0 = time.monotonic(), busy_jiffies(), own_jiffies(os.getpid())
+
+    def cores(self) -> float:
+        busy, own = busy_jiffies() - self.busy0, own_jiffies(os.getpid()) - self.own0
+        seconds = max(time.monotonic() - self.t0, 1e-3)
+        return max(0.0, (busy - own) / os.sysconf("SC_CLK_TCK") / seconds)
+
+
+def wait_for_quiet(max_cores: float, within_s: float) -> float:
+    """Waits (up to `within_s`) until other processes use under `max_cores` over 3 s."""
     deadline = time.monotonic() + within_s
-    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
-        time.sleep(5)  # the load average moves on a minute's scale
-    return os.getloadavg()[0]
+    probe = ForeignCpu()
+    while True:
+        probe.start()
+        time.sleep(3)  # a window long enough to average a busy process's bursts
+        cores = probe.cores()
+        if cores < max_cores or time.monotonic() > deadline:
+            return cores
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, label: str, log: str, within_s: float) -> None:
@@ -123,18 +168,26 @@ def greedy_text(url: str, req: workload.Request, tokens: int = 32) -> str:
 
 
 def measure(
-    url: str, reqs: list[workload.Request], plan: list[tuple[str, int, int]]
+    url: str,
+    reqs: list[workload.Request],
+    plan: list[tuple[str, int, int]],
+    max_cores: float = 0.3,
+    wait_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Warm-up, then each setting; per setting the summary and per-request output tokens."""
+    """Warm-up, then each setting once other processes leave the CPU (under `max_cores` of it):
+    per setting the summary, the foreign CPU before and during, per-request output tokens."""
     bench_serving.benchmark(url, compare.warmup_requests(), progress=False, keep_records=False)
     out: dict[str, Any] = {"greedy_text": greedy_text(url, reqs[0])}
     for name, conc, limit in plan:
         run = reqs[:limit] if limit else reqs
-        load = os.getloadavg()[0]
+        before = wait_for_quiet(max_cores, wait_s)
+        during = ForeignCpu()
+        during.start()
         r = bench_serving.benchmark(url, run, max_concurrency=conc, progress=False)
         m = r["metrics"]
         out[name] = {
-            "load_before": load,
+            "foreign_cores_before": before,
+            "foreign_cores_during": during.cores(),
             "output_throughput": m["output_throughput"],
             "ttft_ms": m["ttft_ms"],
             "itl_ms": m["itl_ms"],
@@ -147,7 +200,8 @@ def measure(
             "errors": r.get("errors", []),
         }
         print(f"  {name}: {m['output_throughput']:.1f} tok/s, {m['output_tokens']} tokens, "
-              f"ITL p50 {m['itl_ms']['p50']:.1f} ms", flush=True)  # fmt: skip
+              f"ITL p50 {m['itl_ms']['p50']:.1f} ms, foreign cores {before:.2f} before, "
+              f"{out[name]['foreign_cores_during']:.2f} during", flush=True)  # fmt: skip
     return out
 
 
@@ -171,8 +225,8 @@ def ratios(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str,
 def table(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> str:
     lines = [
         "| setting | system | round | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-        "| output tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| output tokens | other processes' cores |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in names:
         for k in SYSTEMS:
@@ -181,7 +235,8 @@ def table(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> str:
                 lines.append(
                     f"| {s} | {k} | {i} | {m['output_throughput']:.1f} "
                     f"| {m['ttft_ms']['p50']:.0f} / {m['ttft_ms']['p99']:.0f} "
-                    f"| {m['itl_ms']['p50']:.1f} / {m['itl_ms']['p99']:.1f} | {m['output_tokens']} |"
+                    f"| {m['itl_ms']['p50']:.1f} / {m['itl_ms']['p99']:.1f} | {m['output_tokens']} "
+                    f"| {m.get('foreign_cores_during', float('nan')):.2f} |"
                 )
     return "\n".join(lines)
 
@@ -205,8 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--vllm-args", default="", help="extra args for vLLM's server")
     p.add_argument("--systems", default="subway,vllm", help="subway alone if vLLM is missing")
-    p.add_argument("--max-load", type=float, default=0.5, help="wait for it before each server")
-    p.add_argument("--load-wait-s", type=float, default=600.0)
+    p.add_argument(
+        "--max-foreign-cores", type=float, default=0.3,
+        help="before each measurement, wait until other processes use less CPU than this",
+    )  # fmt: skip
+    p.add_argument("--quiet-wait-s", type=float, default=600.0, help="the most to wait for it")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -225,14 +283,13 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(["bash", SCRIPT, "install"], check=True, stdout=subprocess.DEVNULL)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
     for system in (s for s in order(a.rounds) if s in systems):
-        load = wait_for_quiet(a.max_load, a.load_wait_s)
-        print(f"== {system} (load {load:.2f})", flush=True)
+        print(f"== {system}", flush=True)
         if system == "subway":
             server = compare.subway_server("vs-vllm", ENGINE_FLAGS, a.threads)
         else:
             server = vllm_server(model, a.threads, a.kv_gib, a.vllm_args.split())
         with server as url:
-            runs[system].append(measure(url, reqs, plan))
+            runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
     out: dict[str, Any] = {
         "workload": workload.summary(reqs),
         "threads": a.threads,
