@@ -305,9 +305,11 @@ def _tp_rank(rank: int, path: str, addr: str, prompts: list[list[int]], out_file
     except PlanError as e:  # on both ranks: rank 0 broadcast the failure
         failed = type(e).__name__
     runner.drop(plan)
-    torch.distributed.destroy_process_group()
+    runner.close()
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump({"tokens": [s.generated for s in planner.seqs.values()], "failed": failed}, f)
+    torch.distributed.barrier()  # neither rank tears gloo down under the other
+    torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_rank0_masks_and_both_fail_a_bad_grammar(tiny_models, tmp_path):

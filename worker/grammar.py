@@ -181,10 +181,14 @@ class Grammars:
         state.broken = False
 
     def close(self) -> None:
+        """Join the compile threads and let go of xgrammar's objects now, in order, while
+        the interpreter is whole (their C++ thread pools must not outlive it)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self.seqs.clear()
+        self._batch = None
+        self._compiler = None
 
     # ------------------------------------------------------------------ one step
 
