@@ -24,6 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import msgspec
+
 from subway.frontend.errors import APIError
 from subway.frontend.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
 from subway.ipc.messages import JSON_OBJECT_SCHEMA, MAX_GRAMMAR_CHARS, Grammar
@@ -85,7 +87,15 @@ def _from_response_format(rf: ResponseFormat) -> Grammar | None:
 
 
 def _from_structured_outputs(so: StructuredOutputs, prefix: str) -> list[tuple[str, Grammar]]:
-    return _constraints(prefix, so.json_, so.regex, so.choice, so.grammar, so.json_object)
+    found = _constraints(prefix, so.json_, so.regex, so.choice, so.grammar, so.json_object)
+    if so.disable_any_whitespace:
+        found = [
+            (name, msgspec.structs.replace(g, compact=True))
+            if g.kind in ("json_schema", "json_object")
+            else (name, g)
+            for name, g in found
+        ]
+    return found
 
 
 def _constraints(
@@ -203,10 +213,9 @@ class GrammarChecker:
 
     def _compile(self, grammar: Grammar) -> None:
         c = self.compiler
-        if grammar.kind == "json_schema":
-            c.compile_json_schema(grammar.spec)
-        elif grammar.kind == "json_object":
-            c.compile_json_schema(JSON_OBJECT_SCHEMA)  # an object, as the worker compiles it
+        if grammar.kind in ("json_schema", "json_object"):  # as the worker compiles them
+            spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
+            c.compile_json_schema(spec, any_whitespace=not grammar.compact)
         elif grammar.kind == "regex":
             c.compile_regex(grammar.spec)
         elif grammar.kind == "ebnf":

@@ -55,6 +55,7 @@ class StructuredOutputs(_Request):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None  # EBNF (xgrammar's dialect, as vLLM's)
     json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False  # JSON without free whitespace (", " and ": ")
 
 
 class JsonSchemaFormat(_Request):

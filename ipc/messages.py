@@ -44,6 +44,9 @@ class Grammar(msgspec.Struct, array_like=True, frozen=True):
 
     kind: str
     spec: str = ""
+    # JSON kinds: no free whitespace (", " and ": " only, as json.dumps writes it), vLLM's
+    # disable_any_whitespace; small models otherwise can spend max_tokens on whitespace.
+    compact: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):

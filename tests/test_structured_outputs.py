@@ -583,3 +583,23 @@ def test_best_of_returns_the_n_runs_of_highest_cumulative_logprob(client):
     for bad in (dict(n=3, best_of=2), dict(best_of=2, stream=True)):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**args | bad)
+
+
+def test_disable_any_whitespace_writes_json_as_json_dumps_does(client):
+    """vLLM's `structured_outputs.disable_any_whitespace`: the only whitespace left is the
+    single space after ", " and ": ", greedy and sampled, so the text is exactly what
+    `json.dumps` writes of the value; and the field makes a compact grammar."""
+    so = {"json": PERSON, "disable_any_whitespace": True}
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "structured_outputs": so}
+    )
+    assert request_grammar(req).compact
+    ask = "Describe a person."
+    texts = chat(
+        client, ask, temperature=0, max_tokens=MAX_TOKENS, extra_body={"structured_outputs": so}
+    )
+    texts += chat(client, ask, temperature=0.8, seed=3, n=2, max_tokens=MAX_TOKENS,
+                  extra_body={"structured_outputs": so})  # fmt: skip
+    for text in texts:
+        assert valid(PERSON, text), text
+        assert text == json.dumps(json.loads(text), ensure_ascii=False), text

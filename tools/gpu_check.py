@@ -666,6 +666,83 @@ def check_equality(ctx: Ctx, root: str) -> None:
             free(dev)
 
 
+def tiny_tokenizer(out_dir: str) -> None:
+    """A character-level tokenizer for the tiny models (ids 3.. are printable ASCII; no
+    hub here): what the worker's grammar compiler is built from."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chr(c): 3 + i for i, c in enumerate(range(32, 127))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def check_grammar(ctx: Ctx, root: str) -> None:
+    """Structured outputs on the device: rank 0's bitmask copied to it and applied there
+    (xgrammar's CUDA kernel), with CUDA graphs and without. Regex-constrained requests,
+    greedy and sampled, beside free ones: the constrained text matches, the free tokens
+    equal transformers."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from subway.ipc.config import EngineConfig
+    from subway.ipc.messages import Grammar, SamplingParams
+    from subway.llm import LLM
+
+    dev, rep = ctx.device, ctx.report
+    path = build_tiny_model("llama", os.path.join(root, "tiny-grammar"))
+    tiny_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    pattern = "(ab|cd)[a-e]{2,6}"
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 98) for _ in range(n)] for n in (4, 9, 2, 15)]
+    max_new = 8 if ctx.dry else 16
+    free_params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)
+    grammar = Grammar("regex", pattern)
+    constrained = [SamplingParams(temperature=0.0, max_tokens=12, grammar=grammar)] + [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=12, grammar=grammar) for s in (1, 2, 3)
+    ]
+    expected = hf_greedy(path, prompts, max_new, dev)
+    for graphs in (True, False):
+        config = EngineConfig.build(
+            path=path, device=dev.type, dtype="float32", block_size=16 if not ctx.dry else 4,
+            num_kv_blocks=256, max_num_batched_tokens=32 if not ctx.dry else 8, max_num_seqs=8,
+            kernels="triton", enforce_eager=not graphs,
+        )  # fmt: skip
+        engine = LLM(config)
+        free_ids = [engine.add(p, free_params) for p in prompts]
+        held_ids = [engine.add(p, sp) for p, sp in zip(prompts, constrained, strict=True)]
+        outputs: dict = {}
+        t0 = time.perf_counter()
+        engine.run(outputs)
+        elapsed = time.perf_counter() - t0
+        free_ok = sum(
+            compare(outputs[i].token_ids, outputs[i].top_ids, e) in ("equal", "near-tie")
+            for i, e in zip(free_ids, expected, strict=True)
+        )
+        texts = [tok.decode([t for t in outputs[i].token_ids if t != 2]) for i in held_ids]
+        held_ok = sum(bool(re.fullmatch(pattern, t)) for t in texts)
+        mode = "graphs" if graphs else "eager"
+        rep.log(f"  grammar, {mode}: constrained {texts}; free {free_ok}/{len(prompts)} equal")
+        ok = free_ok == len(prompts) and held_ok == len(held_ids)
+        rep.row(
+            f"grammar-constrained beside free, tiny llama, {mode}",
+            "PASS" if ok else "FAIL",
+            f"{held_ok}/{len(held_ids)} match {pattern!r}, {free_ok}/{len(prompts)} free = HF, "
+            f"{elapsed:.1f}s",
+        )
+        engine.runner.close()  # joins the grammar compile threads
+        del engine
+        free(dev)
+
+
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -861,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sections",
         default="",
-        help="comma-separated subset of compile,kernels,timing,equality,throughput "
+        help="comma-separated subset of compile,kernels,timing,equality,grammar,throughput "
         "(default: all; compile only with --dry-run, where it checks sm_90)",
     )
     p.add_argument("--arch", default="9.0", help="compile check target (major.minor)")
@@ -888,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     torch.manual_seed(0)
-    default = "kernels,timing,equality,throughput"
+    default = "kernels,timing,equality,grammar,throughput"
     sections = set((a.sections or (("compile," + default) if a.dry_run else default)).split(","))
     arch = tuple(int(x) for x in a.arch.split("."))
     with tempfile.TemporaryDirectory(prefix="subway-gpu-check-") as root:
@@ -900,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
             section(report, "timing", lambda: time_kernels(ctx))
         if "equality" in sections:
             section(report, "equality", lambda: check_equality(ctx, root))
+        if "grammar" in sections:
+            section(report, "grammar", lambda: check_grammar(ctx, root))
         if "throughput" in sections:
             section(report, "throughput", lambda: check_throughput(ctx, root))
     elapsed = time.perf_counter() - ctx.t_start

@@ -51,12 +51,10 @@ class GrammarError(ValueError):
 def compile_grammar(compiler: xgr.GrammarCompiler, grammar: Grammar) -> xgr.CompiledGrammar:
     """`grammar` compiled by `compiler` (cached there); GrammarError if it does not compile."""
     try:
-        if grammar.kind == "json_schema":
-            return compiler.compile_json_schema(grammar.spec)
-        if (
-            grammar.kind == "json_object"
-        ):  # an object, as vLLM: the builtin grammar allows any value
-            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA)
+        if grammar.kind in ("json_schema", "json_object"):
+            # json_object: any object, as vLLM (xgrammar's builtin JSON allows any value)
+            spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
+            return compiler.compile_json_schema(spec, any_whitespace=not grammar.compact)
         if grammar.kind == "regex":
             return compiler.compile_regex(grammar.spec)
         if grammar.kind == "ebnf":
