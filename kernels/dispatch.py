@@ -11,8 +11,9 @@ returns a frozen `Kernels`: the functions the model calls, already picked.
 - `kernels="torch"`: the references everywhere (a baseline on CUDA).
 
 With the references on the CPU and `cpu_ext` (the default), the compiled C++
-kernels (`cpu_ext`, `kernels/csrc/`) serve decode attention, RMSNorm and rotary
-embedding with the KV-cache write, where they apply; where they cannot be built,
+kernels (`cpu_ext`, `kernels/csrc/`) serve decode attention, RMSNorm, rotary
+embedding with the KV-cache write, and the bfloat16 linears of one-row steps, where
+they apply; where they cannot be built,
 the references serve.
 
 The layers keep the functions they call, so a step does no lookup of the mode,
@@ -63,6 +64,9 @@ class Kernels:
     rope_and_write_kv: Callable  # rotary q and k, k and v into the caches; returns q
     paged_attention: Callable  # (q, k_cache, v_cache, md, scale)
     silu_and_mul: Callable
+    # A bfloat16 linear of one row (x, w, bias) -> y, faster than oneDNN's at decode of
+    # batch 1 (`kernels/csrc/gemv_cpu.cpp`), for the layers that take it; None: none here.
+    small_linear: Callable | None = None
 
 
 def choose_kernels(
@@ -117,4 +121,5 @@ def _cpu_kernels(ext) -> Kernels:
         )
 
     attention = partial(_ref_attention.paged_attention, ext=ext)  # the decodes compiled
-    return Kernels("torch", rms_norm, rope_and_write_kv, attention, ref.silu_and_mul)
+    small = ext.small_linear if ext.small_linear_supported() else None
+    return Kernels("torch", rms_norm, rope_and_write_kv, attention, ref.silu_and_mul, small)

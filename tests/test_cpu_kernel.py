@@ -228,3 +228,50 @@ def test_token_bitmask_kernel_matches_xgrammar(vocab):
     assert torch.isinf(ours[which]).any() and not torch.isinf(ours[untouched]).any()
     with pytest.raises(RuntimeError):
         ext.apply_token_bitmask(ours, bits, [rows])
+
+
+def _exact_bf16_linear(x, w, b):
+    y = x.double() @ w.double().T
+    return (y + b.double() if b is not None else y).to(torch.bfloat16)
+
+
+@pytest.mark.skipif(ext is None or not ext.small_linear_supported(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_in", [(960, 576), (576, 1536), (7, 32), (130, 64)])
+def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
+    """The one-row bfloat16 linear: the float32 sum rounded once, so within one bfloat16
+    ulp of the exactly rounded product; with and without a bias; odd output sizes (the
+    stripes' tails)."""
+    n, k = out_in
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    for bias in (None, b):
+        got = ext.small_linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert _ulps_bf16(got, _exact_bf16_linear(x, w, bias)) <= 1
+    with pytest.raises(RuntimeError):
+        ext.small_linear(torch.zeros(5, k, dtype=torch.bfloat16), w)  # more than 4 rows
+    with pytest.raises(RuntimeError):
+        ext.small_linear(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48).bfloat16())
+
+
+@pytest.mark.skipif(ext is None or not ext.small_linear_supported(), reason="no AVX512-BF16")
+def test_bfloat16_layers_take_the_small_linear_for_one_row(tiny_models):
+    """A bfloat16 model's packed layers (not the lm_head) carry the one-row kernel, a float32
+    model's none; one-row and many-row steps agree to a bfloat16 ulp per layer output."""
+    from subway.worker.layers import PackedLinear
+
+    from test_model_equality import make_runner
+
+    runner = make_runner(tiny_models["llama"], dtype="bfloat16")
+    layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.small is ext.small_linear for m in layers)
+    layer = layers[0]
+    x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
+    one = torch.cat([layer(x[i : i + 1])[0] for i in range(3)])  # the qkv split: its q
+    many = layer(x)[0]
+    assert _ulps_bf16(one, many) <= 1
+    f32 = make_runner(tiny_models["llama"], dtype="float32")
+    assert all(m.small is None for m in f32.model.modules() if isinstance(m, PackedLinear))

@@ -392,12 +392,15 @@ def requests() -> dict[tuple[str, str, str], dict]:
             out[what, mode, "sampled"] = dict(fields, temperature=0.8, seed=seed, n=3)
         out["single", mode, "sampled"] = dict(tools=TOOLS, tool_choice="required", max_tokens=48,
                                               parallel_tool_calls=False, temperature=0.8, seed=3, n=3)  # fmt: skip
+        # Greedy, and room for any tokenization of the forced text (one token a character at
+        # worst): sampled, the grammar lets the model spell it in more than 60 tokens.
         forced = {"regex": literal("Sure.\n" + FORCED_CALL)}
-        out["auto", mode, "text+call"] = dict(tools=TOOLS, structured_outputs=forced, max_tokens=60)
+        room = dict(temperature=0.0, max_tokens=len(FORCED_CALL) + 16)
+        out["auto", mode, "text+call"] = dict(tools=TOOLS, structured_outputs=forced, **room)
         forced = {"regex": literal(FORCED_CALL)}
-        out["auto", mode, "call"] = dict(tools=TOOLS, structured_outputs=forced, max_tokens=60)
+        out["auto", mode, "call"] = dict(tools=TOOLS, structured_outputs=forced, **room)
         out["none", mode, "call"] = dict(tools=TOOLS, tool_choice="none", structured_outputs=forced,
-                                         max_tokens=60)  # fmt: skip
+                                         **room)  # fmt: skip
         out["none", mode, "sampled"] = dict(tools=TOOLS, tool_choice="none", max_tokens=24,
                                             temperature=0.8, seed=seed, n=2)  # fmt: skip
     out["history", "whole", "tools"] = dict(messages=HISTORY, tools=TOOLS, max_tokens=16)

@@ -7,6 +7,8 @@ takes a full checkpoint tensor and copies this rank's part into place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,12 +38,19 @@ ROW_BUCKET = 32  # one of more rows runs padded to a multiple of this
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    small: Callable | None = None,
 ) -> torch.Tensor:
-    """`x [rows, in]` times the weight. A packed weight's matmul keeps a compiled kernel
-    per row count, never freed (about 0.6 MB for each; measured in docs/RELIABILITY.md), so
-    row counts above `EXACT_ROWS` are padded to a multiple of `ROW_BUCKET`: a bounded set
-    of kernels, where every prefill size would otherwise add one."""
+    """`x [rows, in]` times the weight. One row goes to `small` when the layer has it (a
+    bfloat16 decode of batch 1: `Kernels.small_linear`). A packed weight's matmul keeps a
+    compiled kernel per row count, never freed (about 0.6 MB for each; measured in
+    docs/RELIABILITY.md), so row counts above `EXACT_ROWS` are padded to a multiple of
+    `ROW_BUCKET`: a bounded set of kernels, where every prefill size would otherwise add one."""
+    if small is not None and x.shape[0] == 1 and x.is_contiguous():
+        return small(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
@@ -61,10 +70,16 @@ class PackedLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
+    small: Callable | None = None  # its one-row linear (see `linear`), set by `pack`
 
-    def pack(self, batch_hint: int) -> bool:
-        """Keep a packed copy of the loaded weight for `forward`; False where unsupported."""
+    def pack(self, batch_hint: int, small: Callable | None = None) -> bool:
+        """Keep a packed copy of the loaded weight for `forward`; False where unsupported.
+        `small` (`Kernels.small_linear`) serves one-row steps where the weight suits it:
+        bfloat16, its input a multiple of 32."""
         self.packed = pack_weight(self.weight, batch_hint)
+        w = self.weight
+        suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
+        self.small = small if suits and self.packed is not None else None
         return self.packed is not None
 
 
@@ -106,7 +121,7 @@ class QKVParallelLinear(PackedLinear):
         self.bias = empty_param((out,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return linear(x, self.weight, self.bias, self.packed).split(
+        return linear(x, self.weight, self.bias, self.packed, self.small).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
 
@@ -145,7 +160,7 @@ class MergedColumnParallelLinear(PackedLinear):
         self.bias = empty_param((sum(self.local),), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.small)
 
     def load(self, index: int, name: str, tensor: torch.Tensor) -> None:
         n = self.local[index]
@@ -179,8 +194,8 @@ class RowParallelLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias, self.packed)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+            return linear(x, self.weight, self.bias, self.packed, self.small)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed, self.small))
         return y if self.bias is None else y + self.bias
 
     def load(self, name: str, tensor: torch.Tensor) -> None:

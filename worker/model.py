@@ -210,12 +210,14 @@ class CausalLM(nn.Module):
 
     def pack_weights(self, batch_hint: int) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only)."""
-        ok = all(m.pack(batch_hint) for m in self.modules() if isinstance(m, PackedLinear))
+        # The lm_head keeps oneDNN at one row too: faster there than small_linear (56 MB).
+        small = self.kernels.small_linear
+        ok = all(m.pack(batch_hint, small) for m in self.modules() if isinstance(m, PackedLinear))
         self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
         if not ok or self.lm_head_packed is None:
             for m in self.modules():
                 if isinstance(m, PackedLinear):
-                    m.packed = None
+                    m.packed, m.small = None, None
             return False
         return True
 

@@ -355,6 +355,10 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // mask_cpu.cpp
 void apply_token_bitmask(torch::Tensor scores, torch::Tensor bitmask, std::vector<int64_t> rows);
 
+// gemv_cpu.cpp
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+bool small_linear_supported();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
@@ -363,5 +367,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
+  m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("small_linear_supported", &small_linear_supported,
+        "Whether small_linear was compiled (AVX512-BF16)");
   m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
 }

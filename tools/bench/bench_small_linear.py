@@ -1,0 +1,61 @@
+"""Batch-1 decode step with the one-row bfloat16 linear (`kernels/csrc/gemv_cpu.cpp`) against
+oneDNN's packed matmul, in one process, alternating rounds.
+
+The default model, bfloat16, 2 threads, offline (`subway.LLM`): one request of 101 prompt
+tokens decodes 60 tokens per round; the median step of its last 50 is the figure.
+
+    python -m subway.tools.bench.bench_small_linear [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from subway.ipc.messages import SamplingParams
+from subway.llm import LLM
+from subway.worker.layers import PackedLinear
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args(argv)
+    torch.set_num_threads(2)
+    llm = LLM(dtype="bfloat16", max_num_seqs=64)
+    runner = llm.runner
+    layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    kernel = layers[0].small
+    if kernel is None:
+        raise SystemExit("no small_linear here (no AVX512-BF16, or the CPU kernels are off)")
+    execute = runner.execute
+    times: list[float] = []
+
+    def timed(plan):  # noqa: ANN001, ANN202
+        t = time.perf_counter()
+        out = execute(plan)
+        times.append(time.perf_counter() - t)
+        return out
+
+    runner.execute = timed
+    res: dict[str, list[float]] = {"oneDNN": [], "small_linear": []}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for rnd in range(a.rounds):
+        for name, per_round in res.items():
+            for m in layers:
+                m.small = kernel if name == "small_linear" else None
+            times.clear()
+            llm.generate([[1, 2, 3, 4, 5] * 20 + [rnd]], params)
+            per_round.append(statistics.median(times[-50:]) * 1e3)
+    for name, v in res.items():
+        print(f"{name:>13}: batch-1 decode step, median ms per round: "
+              f"{', '.join(f'{x:.2f}' for x in v)}")  # fmt: skip
+    ratio = statistics.mean(res["oneDNN"]) / statistics.mean(res["small_linear"])
+    print(f"small_linear: {ratio:.3f}x faster per step")
+
+
+if __name__ == "__main__":
+    main()
