@@ -92,22 +92,22 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ResponseToolCall] = []
 
 
-class DeltaFunctionCall(BaseModel):
+class _Sparse(BaseModel):
+    """Serialized without its unset (None) fields, as OpenAI's stream pieces are."""
+
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
+
+class DeltaFunctionCall(_Sparse):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_Sparse):
     """One piece of a streamed call: the first names it (`id`, `type`, `function.name`),
     the rest carry more `function.arguments`; the client joins them by `index`."""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
     index: int
     id: str | None = None
@@ -127,16 +127,12 @@ class ChatCompletionResponse(_Answer):
     choices: list[ChatChoice]
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Sparse):
     """Serialized without its unset fields: the last chunk's delta is `{}`, as OpenAI's."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -60,3 +60,29 @@ def compare(ours: list[int], ref: Reference, our_top5: list[list[int]] | None = 
             return 1
     assert len(ours) == len(ref.tokens), (len(ours), len(ref.tokens))
     return 0
+
+
+def with_early_eos(src: str, dst: str, prompt: str, max_new: int, k: int = 3):
+    """A copy of the model at `src` in `dst` with one more EOS id: the `k`-th greedy token
+    after `prompt` (which neither the prompt nor the tokens before it hold), so that EOS
+    and `ignore_eos` can be seen. Returns (the prompt's ids, that EOS id, the `max_new`
+    greedy tokens, the tokenizer)."""
+    import json
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(dst)
+    ids = tok.encode(prompt, add_special_tokens=True)
+    greedy = hf_greedy(dst, ids, max_new).tokens
+    eos = greedy[k]
+    assert eos not in greedy[:k] and eos not in ids
+    path = os.path.join(dst, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [2, eos]
+    with open(path, "w") as f:
+        json.dump(gen, f)
+    return ids, eos, greedy, tok

@@ -261,9 +261,9 @@ def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
 def test_bfloat16_layers_take_the_small_linear_for_one_row(tiny_models):
     """A bfloat16 model's packed layers (not the lm_head) carry the one-row kernel, a float32
     model's none; one-row and many-row steps agree to a bfloat16 ulp per layer output."""
-    from subway.worker.layers import PackedLinear
-
     from test_model_equality import make_runner
+
+    from subway.worker.layers import PackedLinear
 
     runner = make_runner(tiny_models["llama"], dtype="bfloat16")
     layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]

@@ -11,9 +11,7 @@ a grammar that does not compile fails its step (on every tensor-parallel rank).
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 
 import jsonschema
@@ -339,21 +337,8 @@ EOS_PROMPT = "hello there"
 @pytest.fixture(scope="module")
 def eos_model(tiny_models, tmp_path_factory):
     """The tiny Llama with one more EOS id: the 4th greedy token after EOS_PROMPT."""
-    from transformers import AutoTokenizer
-
     dst = str(tmp_path_factory.mktemp("eos") / "llama")
-    shutil.copytree(tiny_models["llama"], dst)
-    tok = AutoTokenizer.from_pretrained(dst)
-    ids = tok.encode(EOS_PROMPT, add_special_tokens=True)
-    greedy = reference.hf_greedy(dst, ids, 10).tokens
-    eos = greedy[3]
-    assert eos not in greedy[:3] and eos not in ids
-    path = os.path.join(dst, "generation_config.json")
-    with open(path) as f:
-        gen = json.load(f)
-    gen["eos_token_id"] = [2, eos]
-    with open(path, "w") as f:
-        json.dump(gen, f)
+    ids, eos, greedy, _ = reference.with_early_eos(tiny_models["llama"], dst, EOS_PROMPT, 10)
     return dst, ids, eos, greedy
 
 

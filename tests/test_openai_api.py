@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 
 import httpx
 import openai
 import pytest
 import torch
 
-from reference import hf_greedy, hf_model
+from reference import hf_greedy, hf_model, with_early_eos
 from serving import Server
 
 MODEL = "tiny"
@@ -32,21 +30,8 @@ STREAMS = [False, True]
 @pytest.fixture(scope="module")
 def eos_model(tiny_models, tmp_path_factory):
     """The tiny Llama, plus an EOS id: the 4th greedy token after EOS_PROMPT."""
-    from transformers import AutoTokenizer
-
     dst = str(tmp_path_factory.mktemp("eos") / "llama")
-    shutil.copytree(tiny_models["llama"], dst)
-    tok = AutoTokenizer.from_pretrained(dst)
-    ids = tok.encode(EOS_PROMPT, add_special_tokens=True)
-    greedy = hf_greedy(dst, ids, 6).tokens
-    eos = greedy[3]
-    assert eos not in greedy[:3] and eos not in ids
-    path = os.path.join(dst, "generation_config.json")
-    with open(path) as f:
-        gen = json.load(f)
-    gen["eos_token_id"] = [2, eos]
-    with open(path, "w") as f:
-        json.dump(gen, f)
+    _, eos, greedy, tok = with_early_eos(tiny_models["llama"], dst, EOS_PROMPT, 6)
     return dst, eos, greedy, tok
 
 
