@@ -75,6 +75,21 @@ class KvSampler(threading.Thread):
                 self.done.wait(0.5)  # a scrape costs the server ~2 ms of CPU: keep it rare
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, label: str, log: str, within_s: float) -> None:
+    """Until `url`/health answers 200; RuntimeError if `proc` exits or `within_s` passes."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{label}: server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{label}: not healthy within {within_s:.0f} s; see {log}")
+
+
 @contextlib.contextmanager
 def subway_server(label: str, flags: list[str], threads: int) -> Iterator[str]:
     """A `subway serve` on a free port for the duration of the block; yields its URL."""
@@ -86,16 +101,7 @@ def subway_server(label: str, flags: list[str], threads: int) -> Iterator[str]:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{label}: serve exited; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, proc, label, log.name, 300)
         yield url
     finally:
         proc.terminate()

@@ -115,20 +115,6 @@ def wait_for_quiet(max_cores: float, within_s: float) -> float:
             return cores
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, label: str, log: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{label}: server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{label}: not healthy within {within_s:.0f} s; see {log}")
-
-
 @contextlib.contextmanager
 def vllm_server(model: str, threads: int, kv_gib: int, extra: list[str]) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, in its own process group (it forks an engine core)."""
@@ -143,7 +129,7 @@ def vllm_server(model: str, threads: int, kv_gib: int, extra: list[str]) -> Iter
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(url, proc, "vllm", log_path, 900)
+            compare.wait_healthy(url, proc, "vllm", log_path, 900)
             yield url
         finally:
             with contextlib.suppress(ProcessLookupError):
