@@ -51,6 +51,12 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.worker_idle_time_total),
     ("scheduler_seconds", "Seconds the scheduler spent planning.",
      lambda s: s.scheduler_time_total),
+    ("spec_decode_num_drafts", "Speculative decoding: steps of a request with a draft.",
+     lambda s: s.spec_num_drafts_total),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
+     lambda s: s.spec_draft_tokens_total),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     lambda s: s.spec_accepted_tokens_total),
 )  # fmt: skip
 
 

@@ -81,6 +81,11 @@ class SchedulerConfig:
     policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
     static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")
     overlap: bool = opt(True, "plan step N+1 while N runs", flag="--no-overlap")
+    speculative_config: str = opt(
+        "", 'speculative decoding, JSON as vLLM spells it: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+        '"disable_by_batch_size": 4}; empty: off'
+    )  # fmt: skip
     step_timeout: float = opt(
         300.0, "seconds one step may take before the workers count as hung and the engine "
         "stops (no legitimate step of a model this engine serves on a CPU comes near it)"

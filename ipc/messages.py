@@ -170,6 +170,10 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     error: str = ""
     # Messages this worker refused since it started (malformed or unexpected).
     rejected_total: int = 0
+    # Speculative decoding: tokens per sequence in `seq_ids` order (1 to 1 + its draft's
+    # length), `tokens` and the per-token logprobs then hold each one's run in turn; empty
+    # when every sequence has one token.
+    num_tokens: list[int] = []
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -201,6 +205,11 @@ class SeqStep(msgspec.Struct, array_like=True, omit_defaults=True):
     appended to the worker's block table for the sequence. When `sample` is
     set (a decode, or the last chunk of a prefill), the worker samples the
     next token from the last position.
+
+    Speculative decoding: a decode may carry a `draft` of proposed tokens; the
+    step then feeds `num_tokens = 1 + len(draft)` tokens (its own last token,
+    then the draft), samples every position and keeps the longest run of the
+    draft that it sampled too, plus the next token it sampled (`StepResult.num_tokens`).
     """
 
     seq_id: int
@@ -208,6 +217,7 @@ class SeqStep(msgspec.Struct, array_like=True, omit_defaults=True):
     num_tokens: int
     new_blocks: list[int] = []
     sample: bool = True
+    draft: list[int] = []
 
 
 class Plan(msgspec.Struct, tag="plan", omit_defaults=True):
@@ -283,6 +293,10 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     worker_idle_time_total: float = 0.0  # seconds rank 0 waited for a plan between steps
     scheduler_time_total: float = 0.0  # seconds spent in schedule()
     ipc_rejected_total: int = 0  # messages the scheduler and the workers refused
+    # Speculative decoding: steps that carried a draft, draft tokens proposed, and accepted.
+    spec_num_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

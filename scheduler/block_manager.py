@@ -176,6 +176,14 @@ class BlockManager:
         self.claimed[seq_id] = total
         return new
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Give back claimed slots beyond the first `num_tokens` (a speculative step's
+        rejected draft). The blocks stay in the table, for the sequence to grow into."""
+        claimed = self.claimed.get(seq_id)
+        if claimed is None or num_tokens > claimed:
+            raise AssertionError(f"sequence {seq_id}: trim to {num_tokens} of {claimed} slots")
+        self.claimed[seq_id] = num_tokens
+
     def _make_evictable(self, b: int) -> None:
         stamp = self._next_stamp
         self._next_stamp = stamp + 1

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 from subway.ipc.config import SchedulerConfig
 from subway.ipc.messages import NewSeq, Plan, SeqStep
 from subway.scheduler.request import NEVER, Request, RequestStatus
+from subway.scheduler.speculative import propose
 
 if TYPE_CHECKING:
     from subway.scheduler.scheduler import Scheduler
@@ -100,11 +101,17 @@ class Planner:
         num_preempted_before = len(sched.preempted_ids)
         prefills: list[Request] = []
 
-        # 1. Decodes: one token each, from the token sampled last step (maybe still in flight).
+        # 1. Decodes: one token each, from the token sampled last step (maybe still in flight),
+        # and a draft after it where speculation is on (see `speculative.py`).
+        spec = sched.speculative
+        spec_on = spec is not None and sched.num_running <= spec.disable_by_batch_size
+        spare = budget - sched.num_running  # budget for drafts once every decode has its token
         for req in running:
             if req.status is not _RUNNING:
                 continue
             inflight = req.num_inflight
+            if inflight and (req.num_draft or (spec_on and req.speculable)):
+                continue  # its next position, or its next draft, waits for that result
             total = req.length + inflight
             pos = req.num_computed_tokens
             if total - pos != 1:
@@ -114,27 +121,40 @@ class Planner:
             if total >= req.token_limit:
                 continue  # its last token is already in flight
             sid = req.seq_id
-            if pos < req.num_slots:  # its last block has room: no allocation
-                claimed[sid] = pos + 1
+            draft: list[int] = []
+            if spec_on and req.speculable and spare > 0:
+                k = min(spec.num_speculative_tokens, req.token_limit - total - 1, spare)
+                if k > 0:
+                    draft = propose(
+                        req.prompt_ids, req.output_ids, k,
+                        spec.prompt_lookup_max, spec.prompt_lookup_min,
+                    )  # fmt: skip
+                    if draft and not bm.can_allocate(sid, 1 + len(draft)):
+                        draft = []  # never preempt for a draft
+                    spare -= len(draft)
+            n = 1 + len(draft)
+            if pos + n <= req.num_slots:  # its last block has room: no allocation
+                claimed[sid] = pos + n
                 new_blocks = []
             else:
                 try:
-                    new_blocks = bm.allocate(sid, 1)
+                    new_blocks = bm.allocate(sid, n)
                 except MemoryError:
                     if not self._make_room(req, 1, step):
                         continue
                     budget += self._take_released()
-                    new_blocks = bm.allocate(sid, 1)
+                    new_blocks = bm.allocate(sid, n)
                 req.num_slots += bs * len(new_blocks)
             if pos >= req.cache_upto:  # its first decode: key what its prefill computed
                 bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos)  # (tokens < pos known)
                 req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
-            steps.append(SeqStep(sid, pos, 1, new_blocks, True))
-            req.num_computed_tokens = pos + 1
+            steps.append(SeqStep(sid, pos, n, new_blocks, True, draft))
+            req.num_computed_tokens = pos + n
             req.num_inflight = inflight + 1
+            req.num_draft = n - 1
             req.scheduled_step = step
-            budget -= 1
-            if budget == 0:
+            budget -= n
+            if budget <= 0:
                 break
 
         # 2. Prefill chunks of running requests and admissions, in policy order.
@@ -344,6 +364,7 @@ class Planner:
                     req.num_computed_tokens = st.start_pos
                     if st.sample:
                         req.num_inflight -= 1
+                    req.num_draft = 0
                     break
             req.scheduled_step = -1
         self.sched.preempt(req)

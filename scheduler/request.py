@@ -61,6 +61,8 @@ class Request:
     # of its next unkeyed block); NEVER when caching is off or once it decodes.
     cache_upto: int = NEVER
     first_scheduled_time: float | None = None  # the scheduler's clock at its first admission
+    speculable: bool = False  # speculative decoding may propose drafts for it (no grammar)
+    num_draft: int = 0  # draft tokens of its step in flight (it waits for that result)
 
     @property
     def prompt_len(self) -> int:

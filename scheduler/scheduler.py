@@ -23,6 +23,7 @@ from subway.scheduler.planner import Planner
 from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import Request, RequestStatus
 from subway.scheduler.settle import settle
+from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
 
 _WAITING = RequestStatus.WAITING
@@ -54,6 +55,7 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.stats = SchedulerStats()
+        self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
 
         self.waiting: list[Request] = []  # sorted by policy.key
         self.running: list[Request] = []  # may hold non-running entries until compacted
@@ -154,6 +156,7 @@ class Scheduler:
             slo_ttft_ms=msg.slo_ttft_ms,
             slo_class=msg.slo_class,
             length=n,
+            speculable=self.speculative is not None and sp.grammar is None,
         )
         self._next_seq_id += 1
         self.by_seq[req.seq_id] = req

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from subway.ipc.messages import RequestDelta, StepResult
-from subway.scheduler.request import Request
+from subway.scheduler.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
 
 if TYPE_CHECKING:
     from subway.scheduler.scheduler import Scheduler
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 
 def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[RequestDelta]:
     """Settle the oldest plan in flight: append its sampled `tokens` (one per
-    `result.seq_ids`), finish requests, free their blocks; the deltas for the frontend
+    `result.seq_ids`, or `result.num_tokens` each after a draft), finish requests, free their blocks; the deltas for the frontend
     (the scheduler's pending ones first)."""
     inflight = sched.inflight_steps
     if not inflight or inflight[0] != result.step:
@@ -37,29 +39,46 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         _fail(sched, result, deltas)
     append = deltas.append
     extras = result.logprobs is not None or result.prompt_logprobs is not None
-    i = -1
-    for sid, tok in zip(result.seq_ids, tokens, strict=True):
-        i += 1
+    counts = result.num_tokens
+    lo = 0  # this sequence's first token in `tokens`
+    for i, sid in enumerate(result.seq_ids):
+        c = counts[i] if counts else 1
+        hi = lo + c
         req = get(sid)
         if req is None:
+            lo = hi
             continue  # finished or aborted after the plan was made
         req.num_inflight -= 1
-        req.output_ids.append(tok)
-        n = req.length = req.length + 1
-        if tok in req.stop_ids:
-            reason = "stop"
-        elif n >= req.token_limit:
-            reason = "length"
-        else:
-            reason = None
+        if req.num_draft:
+            _settle_draft(sched, req, c - 1)
+        out = req.output_ids
+        n = req.length
+        limit = req.token_limit
+        stop_ids = req.stop_ids
+        reason = None
+        used = 0
+        for tok in tokens[lo:hi]:
+            out.append(tok)
+            n += 1
+            used += 1
+            if tok in stop_ids:
+                reason = "stop"
+            elif n >= limit:
+                reason = "length"
+            else:
+                continue
+            break
+        req.length = n
+        run = tokens[lo : lo + used] if c > 1 else [tokens[lo]]
         first = not req.reported
         if first:
-            delta = _first_delta(req, tok, reason)
+            delta = _first_delta(req, run, reason)
         else:
-            delta = RequestDelta(req.request_id, [tok], reason)
+            delta = RequestDelta(req.request_id, run, reason)
         if extras:
-            _attach_logprobs(delta, result, i, first)
+            _attach_logprobs(delta, result, i, lo, lo + used, first)
         append(delta)
+        lo = hi
         if reason is not None:
             sched.finish(req)
     if sched.deferred:
@@ -87,12 +106,25 @@ def _fail(sched: Scheduler, result: StepResult, deltas: list[RequestDelta]) -> N
     sched.stats.num_failed_total += len(result.failed)
 
 
-def _first_delta(req: Request, tok: int, reason: str | None) -> RequestDelta:
+def _settle_draft(sched: Scheduler, req: Request, accepted: int) -> None:
+    """A step with a draft came back with `accepted` of its tokens: the rest of its slots
+    go back (unless it was preempted meanwhile), and the counters count it."""
+    if req.status is _RUNNING:
+        req.num_computed_tokens -= req.num_draft - accepted
+        sched.block_manager.trim(req.seq_id, req.num_computed_tokens)
+    stats = sched.stats
+    stats.spec_drafts_total += 1
+    stats.spec_draft_tokens_total += req.num_draft
+    stats.spec_accepted_tokens_total += accepted
+    req.num_draft = 0
+
+
+def _first_delta(req: Request, run: list[int], reason: str | None) -> RequestDelta:
     """A request's first delta: with its prompt length, cached tokens and queue time."""
     req.reported = True
     delta = RequestDelta(
         req.request_id,
-        [tok],
+        run,
         reason,
         num_prompt_tokens=len(req.prompt_ids),
         num_cached_tokens=req.num_cached_tokens,
@@ -102,13 +134,16 @@ def _first_delta(req: Request, tok: int, reason: str | None) -> RequestDelta:
     return delta
 
 
-def _attach_logprobs(delta: RequestDelta, result: StepResult, i: int, first: bool) -> None:
-    """The `i`-th sampled token's logprobs (and, on a first delta, the prompt's) from a result."""
+def _attach_logprobs(
+    delta: RequestDelta, result: StepResult, i: int, lo: int, hi: int, first: bool
+) -> None:
+    """Tokens `lo:hi`'s logprobs, those of the `i`-th sampled sequence (and, on a first
+    delta, its prompt's) from a result."""
     if result.logprobs is not None:
-        delta.logprobs = [result.logprobs[i]]
+        delta.logprobs = result.logprobs[lo:hi]
         if result.top_ids is not None:
-            delta.top_ids = [result.top_ids[i]]
+            delta.top_ids = result.top_ids[lo:hi]
         if result.top_logprobs is not None:
-            delta.top_logprobs = [result.top_logprobs[i]]
+            delta.top_logprobs = result.top_logprobs[lo:hi]
     if first and result.prompt_logprobs is not None:
         delta.prompt_logprobs = result.prompt_logprobs[i]

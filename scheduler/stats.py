@@ -33,6 +33,9 @@ class SchedulerStats:
     last_step_time: float = 0.0
     num_failed_total: int = 0  # sequences a failed step ended with "error"
     ipc_rejected_total: int = 0  # messages refused: the scheduler's and the workers' own
+    spec_drafts_total: int = 0  # speculative decoding: steps of a request with a draft,
+    spec_draft_tokens_total: int = 0  # the draft tokens they proposed,
+    spec_accepted_tokens_total: int = 0  # and how many the worker accepted
     # Where the last log line left off, for per-interval rates:
     logged_steps: int = 0
     logged_schedule_time: float = 0.0
@@ -61,6 +64,9 @@ class SchedulerStats:
             worker_idle_time_total=self.worker_idle_total,
             scheduler_time_total=self.schedule_time_total,
             ipc_rejected_total=self.ipc_rejected_total,
+            spec_num_drafts_total=self.spec_drafts_total,
+            spec_draft_tokens_total=self.spec_draft_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
         )
 
     def log_line(self, s: EngineStats, interval: float) -> str:

@@ -221,16 +221,27 @@ def _check_result(
 ) -> str | None:
     """What is wrong with a result for `plan`, which samples `sampled`; or None."""
     n = len(msg.seq_ids)
-    if len(tokens) != n:
-        return f"{len(tokens)} tokens for {n} sequences"
+    m = n  # tokens: one per sequence, or num_tokens each after a draft
+    if msg.num_tokens:
+        if len(msg.num_tokens) != n:
+            return f"{len(msg.num_tokens)} token counts for {n} sequences"
+        drafts = {s.seq_id: len(s.draft) for s in plan.seqs if s.draft}
+        for sid, c in zip(msg.seq_ids, msg.num_tokens, strict=True):
+            if not 1 <= c <= 1 + drafts.get(sid, 0):
+                return f"{c} tokens for sequence {sid}, whose draft allows 1 to {1 + drafts.get(sid, 0)}"
+        m = sum(msg.num_tokens)
+    if len(tokens) != m:
+        return f"{len(tokens)} tokens for {m}"
     if msg.seq_ids != sampled and not _subsequence(msg.seq_ids, sampled):
         return "sequences the plan did not sample"
     if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
         return f"a token id outside [0, {vocab})"
-    for name in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "top_ids", "top_logprobs"):
         extra = getattr(msg, name)
-        if extra is not None and len(extra) != n:
-            return f"{len(extra)} {name} for {n} sequences"
+        if extra is not None and len(extra) != m:
+            return f"{len(extra)} {name} for {m} tokens"
+    if msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n:
+        return f"{len(msg.prompt_logprobs)} prompt_logprobs for {n} sequences"
     if msg.failed:
         known = {s.seq_id for s in plan.seqs} | {s.seq_id for s in plan.new_seqs}
         if not known.issuperset(msg.failed):

@@ -54,6 +54,8 @@ class FakeWorker(LazyExecutor):
         self.plans: list[Plan] = []
         self.num_steps = 0
         self.num_tokens_computed = 0  # positions written (prefill and decode), all steps
+        self.num_drafted = 0  # speculative decoding: draft tokens verified,
+        self.num_accepted = 0  # and accepted
 
     @property
     def owner(self) -> dict[int, int]:
@@ -93,7 +95,7 @@ class FakeWorker(LazyExecutor):
             self.kv[ns.seq_id] = 0
             self.tables[ns.seq_id] = []
         seen = set()
-        out_ids, out_tokens = [], []
+        out_ids, out_tokens, counts = [], [], []
         for s in plan.seqs:
             sid = s.seq_id
             assert sid in self.tokens, f"sequence {sid} scheduled before its NewSeq"
@@ -116,27 +118,46 @@ class FakeWorker(LazyExecutor):
                 self.holders[b].add(sid)
                 table.append(b)
             end = s.start_pos + s.num_tokens
-            assert len(table) == -(-end // bs), "blocks != what is needed"
+            draft = list(s.draft)
+            own = end - len(draft)  # fed from its own tokens; then the draft
+            assert -(-end // bs) <= len(table) <= -(-(end + 16) // bs), "blocks != needed"
             toks = self.tokens[sid]
-            assert end <= len(toks), "fed a token the worker does not have"
+            assert own <= len(toks), "fed a token the worker does not have"
+            if draft:
+                assert s.sample and own > s.start_pos, "a draft after no token of its own"
+            chain = self._digest(sid, own - 1) if draft and own > 0 else None
             for p in range(s.start_pos, end):
                 b = table[p // bs]
                 assert self.holders[b] == {sid}, f"{sid} writes into block {b}, shared with " + str(
                     self.holders[b] - {sid}
                 )
                 if self.check_kv:
-                    self.slots[b][p % bs] = self._digest(sid, p)
-            self.kv[sid] = end
+                    if p < own:
+                        self.slots[b][p % bs] = self._digest(sid, p)
+                    else:  # a draft position: its digest over the draft, not yet known tokens
+                        chain = hash((chain, draft[p - own]))
+                        self.slots[b][p % bs] = chain
             self.num_tokens_computed += s.num_tokens
             if s.sample:
-                assert end == len(toks), "sampled from a position that is not the last"
+                assert own == len(toks), "sampled from a position that is not the last"
                 if self.check_kv:
-                    for p in range(end):
+                    for p in range(own):
                         got = self.slots[table[p // bs]][p % bs]
                         assert got == self._digest(sid, p), f"seq {sid}: wrong KV at position {p}"
-                t = self.sample(toks)
-                toks.append(t)
+                # Sample every fed draft position; keep the run that matches, and one more.
+                emitted = [self.sample(toks)]
+                while len(emitted) <= len(draft) and emitted[-1] == draft[len(emitted) - 1]:
+                    emitted.append(self.sample(toks + draft[: len(emitted)]))
+                toks += emitted
+                self.kv[sid] = own + len(emitted) - 1  # the rejected draft's KV is garbage
                 out_ids.append(sid)
-                out_tokens.append(t)
+                out_tokens += emitted
+                counts.append(len(emitted))
+                self.num_drafted += len(draft)
+                self.num_accepted += len(emitted) - 1
+            else:
+                self.kv[sid] = end
         result = StepResult(step=plan.step, seq_ids=out_ids, tokens=TokenRef(ids=out_tokens))
+        if any(c > 1 for c in counts):
+            result.num_tokens = counts
         return result, out_tokens

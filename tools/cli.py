@@ -97,6 +97,16 @@ def check_curve_keys(config: EngineConfig) -> None:
         raise SystemExit(f"subway: {e}") from None
 
 
+def check_speculative(config: EngineConfig) -> None:
+    """`--speculative-config`, checked before anything starts: a bad one is a message."""
+    from subway.scheduler.speculative import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        SpeculativeConfig.parse(config.scheduler.speculative_config)
+    except SpeculativeConfigError as e:
+        raise SystemExit(f"subway: {e}") from None
+
+
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """Fill in the default model (converting it on first use) and the served name."""
     if config.model.path:
@@ -131,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         # engines on one host meet each other's sockets and buffers.
         parser.error(f"{args.command}: give every process of one engine the same --run-id")
     config = config_from_args(args)
+    check_speculative(config)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from subway.ipc.config import EngineConfig, SchedulerConfig
-from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, StepResult, TokenRef
+from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, SeqStep, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels import cpu_ext
 from subway.kernels.attention import build_metadata, positions_and_slots
@@ -21,7 +21,8 @@ from subway.worker.model import CausalLM
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
-from subway.worker.sampler import Sampler, SampleRequest
+from subway.worker.sampler import Sampler, SampleRequest, has_penalties
+from subway.worker.speculative import sample_rows, verify
 
 
 class PlanError(ValueError):
@@ -48,6 +49,7 @@ class StepOutput:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # on first samples, when asked
+    num_tokens: list[int] = field(default_factory=list)  # per sequence, after drafts
 
     def to_result(self, step: int, tokens: TokenRef | None = None) -> StepResult:
         """The StepResult of plan `step`; the sampled ids inline unless `tokens` names
@@ -60,6 +62,7 @@ class StepOutput:
             top_ids=self.top_ids,
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            num_tokens=self.num_tokens,
         )
 
 
@@ -268,6 +271,7 @@ class ModelRunner:
         input_ids: list[int] = []
         states: list[SeqState] = []
         num_blocks = self.num_blocks
+        drafted = False
         for i, step in enumerate(steps):
             st = seqs.get(step.seq_id)
             if st is None:
@@ -277,21 +281,28 @@ class ModelRunner:
                     raise PlanError(f"step {plan.step}: a block id outside [0, {num_blocks})")
                 st.block_table.extend(step.new_blocks)
             end = step.start_pos + step.num_tokens
+            own = end  # positions fed from its own tokens; a draft's come after them
+            if step.draft:
+                self._check_draft(plan.step, step, st)
+                own = end - len(step.draft)
+                drafted = True
             if (
                 step.start_pos < 0
-                or step.num_tokens < 1
-                or end > len(st.tokens)
+                or own <= step.start_pos
+                or own > len(st.tokens)
                 or end > len(st.block_table) * self.block_size
             ):
                 raise PlanError(
                     f"step {plan.step}: seq {step.seq_id} asks for positions up to {end} but the "
                     f"worker has {len(st.tokens)} tokens and {len(st.block_table)} blocks"
                 )
-            input_ids += st.tokens[step.start_pos : end]
-            if step.sample and len(st.tokens) > end:
-                del st.tokens[end:]  # a later token the scheduler discarded; the sample replaces it
+            input_ids += st.tokens[step.start_pos : own]
+            if step.draft:
+                input_ids += step.draft
+            if step.sample and len(st.tokens) > own:
+                del st.tokens[own:]  # a later token the scheduler discarded; the sample replaces it
                 if grammars.active:
-                    grammars.truncate(step.seq_id, end - st.prompt_len)
+                    grammars.truncate(step.seq_id, own - st.prompt_len)
             qlens[i] = step.num_tokens
             ctx[i] = end
             states.append(st)
@@ -313,7 +324,11 @@ class ModelRunner:
             logits = graphs.run(input_ids, positions, slots, ctx, tables)  # a decode step
         else:
             md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
-            sample_idx = np.cumsum(qlens)[sampling] - 1
+            if drafted:
+                widths = np.array([1 + len(steps[i].draft) for i in sampling], dtype=np.int64)
+                sample_idx = sample_rows(np.cumsum(qlens)[sampling], widths)
+            else:
+                sample_idx = np.cumsum(qlens)[sampling] - 1
             if plp_slices:
                 sample_idx = np.concatenate([sample_idx, plp_idx])
             hidden = self.model(
@@ -324,42 +339,80 @@ class ModelRunner:
                 torch.from_numpy(sample_idx).to(dev),
             )
             if plp_slices:
-                extra = self.model.compute_logits(hidden[len(sampling) :])
+                num_rows = len(sample_idx) - len(plp_idx)
+                extra = self.model.compute_logits(hidden[num_rows:])
                 self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
-                hidden = hidden[: len(sampling)]
+                hidden = hidden[:num_rows]
             if not sampling:
                 return StepOutput([], [])
             logits = None
 
         out = None
         constrained: GrammarStep | None = None
+        row_seqs = [steps[i].seq_id for i in sampling]  # a sampled row's sequence, row order
+        if drafted:
+            row_seqs = [steps[i].seq_id for i in sampling for _ in range(1 + len(steps[i].draft))]
         if self.rank == 0:
             rows = []
             for i in sampling:
                 st = states[i]
                 generated = int(ctx[i]) - st.prompt_len
-                rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
+                draft = steps[i].draft
+                if not draft:
+                    rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
+                    continue
+                generated -= len(draft)
+                penalised = has_penalties(st.sampling)
+                for j in range(len(draft) + 1):
+                    seen = st.tokens + draft[:j] if penalised and j else st.tokens
+                    rows.append(SampleRequest(st.sampling, generated + j, seen, st.prompt_len))
             if logits is None:
                 logits = self.model.compute_logits(hidden)
             if grammars.active:  # filled on the host while the device computes the logits
-                constrained = self._grammar_step([steps[i].seq_id for i in sampling])
+                constrained = self._grammar_step(row_seqs)
             out = self.sampler(logits, rows, constrained.mask if constrained else None)
             token_tensor = out.tokens
         else:
-            token_tensor = torch.empty(len(sampling), dtype=torch.int64, device=dev)
+            token_tensor = torch.empty(len(row_seqs), dtype=torch.int64, device=dev)
         tokens = self.tp.broadcast(token_tensor.to(torch.int64)).tolist()
         if self.rank != 0 and tokens and min(tokens) < 0:
             raise PlanError(f"step {plan.step}: failed on rank 0 (a grammar)")
         if constrained is not None:
-            constrained.accept(tokens)
+            constrained.accept(tokens)  # constrained rows carry no draft: one row each
 
-        for i, tok in zip(sampling, tokens, strict=True):
-            states[i].tokens.append(tok)
         result = StepOutput([steps[i].seq_id for i in sampling], tokens)
+        kept = None
+        if drafted:  # every rank alike: the same sampled rows, the same drafts
+            tokens, result.num_tokens, kept = verify(tokens, [steps[i].draft for i in sampling])
+            result.tokens = tokens
+            at = 0
+            for i, c in zip(sampling, result.num_tokens, strict=True):
+                states[i].tokens += tokens[at : at + c]
+                at += c
+        else:
+            for i, tok in zip(sampling, tokens, strict=True):
+                states[i].tokens.append(tok)
         if out is not None:
             result.logprobs, result.top_ids, result.top_logprobs = (
                 out.logprobs, out.top_ids, out.top_logprobs,
             )  # fmt: skip
+            if kept is not None and out.logprobs is not None:
+                result.logprobs = [out.logprobs[r] for r in kept]
+                result.top_ids = [out.top_ids[r] for r in kept]
+                result.top_logprobs = [out.top_logprobs[r] for r in kept]
             if self.prompt_lps.active:
                 result.prompt_logprobs = self.prompt_lps.emit(result.seq_ids)
         return result
+
+    def _check_draft(self, step_no: int, step: SeqStep, st: SeqState) -> None:
+        """A draft rides only on a sampled step, after one token of the sequence's own, within
+        the vocabulary, and never for a constrained sequence (on every rank alike)."""
+        d = step.draft
+        if (
+            not step.sample
+            or len(d) >= step.num_tokens
+            or min(d) < 0
+            or max(d) >= self.vocab_size
+            or st.sampling.grammar is not None
+        ):
+            raise PlanError(f"step {step_no}: seq {step.seq_id} has a draft it cannot verify")

@@ -1,0 +1,119 @@
+"""Speculative decoding, the scheduler's side: the configuration and the n-gram proposer.
+
+Prompt lookup (n-gram) speculation needs no draft model. For a decoding
+request the scheduler looks for the last `n` tokens (`prompt_lookup_max` down
+to `prompt_lookup_min`) earlier in the request's own tokens, prompt and output;
+at the most recent earlier match, the tokens that followed are the draft, at
+most `num_speculative_tokens` of them. The draft rides in the request's
+`SeqStep` (`draft`): the worker feeds the last token and the draft in one
+forward pass, samples every position, and keeps the longest run of draft
+tokens that match what it sampled, plus the one token it sampled after that run
+(see `worker/speculative.py`). So each step gives 1 to K + 1 tokens.
+
+Planning around it (`planner.py`):
+
+- a step that carries a draft gets `1 + K` KV slots and `1 + K` tokens of the
+  budget; when its result comes, the request keeps the slots of the tokens it
+  accepted and gives the rest back (`BlockManager.trim`);
+- the scheduler proposes only from tokens it knows, so a request speculates
+  only when nothing of it is in flight: while speculation is on, such a
+  request waits for its previous step's result instead of being overlapped
+  (the loop is then synchronous for it), and a request whose draft is in
+  flight always waits (its next position depends on what was accepted);
+- speculation is off for a step when more than `disable_by_batch_size`
+  requests run: there verification costs more than it saves, and the step
+  loop overlaps as without it. Requests with a grammar never speculate.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass
+
+from subway.scheduler.block_manager import TOKEN_BYTES, TOKEN_TYPE
+
+METHODS = ("ngram",)
+
+
+class SpeculativeConfigError(ValueError):
+    """`--speculative-config` cannot be used as given."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, spelled as vLLM spells it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # Speculate only while at most this many requests run (vLLM's field; its default is
+    # "always", ours is measured: see docs/BENCHMARKS.md, "Speculative decoding").
+    disable_by_batch_size: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig | None:
+        """The config in `text` (JSON), None for an empty one; SpeculativeConfigError if bad."""
+        if not text.strip():
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        method = raw.get("method", "ngram")
+        if method not in METHODS:
+            raise SpeculativeConfigError(
+                f"--speculative-config: method {method!r} is not supported (only: ngram)"
+            )
+        ints = {}
+        for name in known - {"method"}:
+            if name in raw:
+                value = raw[name]
+                if type(value) is not int:
+                    raise SpeculativeConfigError(f"--speculative-config: {name} must be an integer")
+                ints[name] = value
+        cfg = cls(method=method, **ints)
+        if not 1 <= cfg.num_speculative_tokens <= 16:
+            raise SpeculativeConfigError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max <= 64:
+            raise SpeculativeConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
+        if cfg.disable_by_batch_size < 1:
+            raise SpeculativeConfigError("disable_by_batch_size must be at least 1")
+        return cfg
+
+
+def propose(prompt: array, output: array, k: int, max_n: int, min_n: int) -> list[int]:
+    """At most `k` draft tokens for the sequence `prompt + output` (int32 arrays): the
+    tokens that followed the most recent earlier occurrence of its last `n` tokens, for
+    the largest `n` in `max_n .. min_n` that occurs; [] when none does."""
+    total = len(prompt) + len(output)
+    if k <= 0 or total < min_n + 1:
+        return []
+    data = prompt.tobytes() + output.tobytes() if output else prompt.tobytes()
+    end = total * TOKEN_BYTES
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        tail = data[end - n * TOKEN_BYTES :]
+        # The most recent match that ends before the tail does (so something follows it).
+        hi = end - TOKEN_BYTES
+        while True:
+            at = data.rfind(tail, 0, hi)
+            if at < 0:
+                break
+            if at % TOKEN_BYTES == 0:  # aligned on a token, not across two
+                start = at // TOKEN_BYTES + n
+                stop = min(start + k, total)
+                out = array(TOKEN_TYPE)
+                out.frombytes(data[start * TOKEN_BYTES : stop * TOKEN_BYTES])
+                return out.tolist()
+            hi = at + len(tail) - 1
+    return []
