@@ -55,6 +55,8 @@ class ModelConfig:
     cpu_ext: bool = opt(True, "compile and use the C++ CPU kernels", flag="--no-cpu-ext")
     pack_weights: bool = opt(True, "pack CPU linear weights in oneDNN's layout once, at load",
                              flag="--no-pack-weights")  # fmt: skip
+    huge_pages: bool = opt(True, "CPU: weights and KV cache in transparent huge pages where "
+                           "the kernel allows them", flag="--no-huge-pages")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.served_model_name and self.path:

@@ -221,6 +221,10 @@ class CausalLM(nn.Module):
             return False
         return True
 
+    def one_row_weights(self) -> list[nn.Parameter]:
+        """The plain weights that the one-row linear reads (after `pack_weights`)."""
+        return [m.weight for m in self.modules() if isinstance(m, PackedLinear) and m.small]
+
     # ------------------------------------------------------------------ weights
 
     def expected_weights(self) -> set[str]:

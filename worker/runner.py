@@ -15,6 +15,7 @@ from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
 from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
+from subway.worker.huge_pages import rehome
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.loader import load_weights
 from subway.worker.model import CausalLM
@@ -103,15 +104,15 @@ class ModelRunner:
         load_weights(self.model, self.path)
         self.model.eval()
         if self.device.type == "cpu" and config.model.pack_weights:
-            self.model.pack_weights(
-                config.scheduler.max_num_seqs
-            )  # oneDNN layout: see layers.pack_weight
+            self.model.pack_weights(config.scheduler.max_num_seqs)  # see layers.pack_weight
+            if config.model.huge_pages:
+                rehome(self.model.one_row_weights())  # read whole at every batch-1 step
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(
             arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, config.model.huge_pages,
         )  # fmt: skip
         self.sampler = Sampler(self.device, config.model.seed, self.eos_token_ids)
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs

@@ -247,6 +247,44 @@ static inline void softmax16(float* sc, int64_t L) {
   }
 }
 
+// The values of up to BS keys (rows of `vb`, `row` elements apart) weighted into GN query
+// heads' accumulators at once: each value row is loaded (and widened) once for all GN heads,
+// and the GN * NC accumulator chains run side by side.
+template <typename T, int NC, int GN>
+static inline void block_values(const T* vb, int64_t row, int64_t nt, const float* p,
+                                int64_t p_stride, float* acc) {
+  __m512 a[GN][NC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * NC * 16 + c * 16);
+  for (int64_t j = 0; j < nt; ++j) {
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * row + c * 16);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * p_stride + j]);
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * NC * 16 + c * 16, a[g][c]);
+}
+
+// All G query heads of one KV head, in groups that keep the accumulators in registers.
+template <typename T, int NC>
+static inline void block_values_heads(const T* vb, int64_t row, int64_t nt, const float* p,
+                                      int64_t L, float* acc, int64_t G) {
+  constexpr int64_t D = NC * 16;
+  int64_t g = 0;
+  if constexpr (NC <= 4) {
+    for (; G - g >= 4; g += 4) block_values<T, NC, 4>(vb, row, nt, p + g * L, L, acc + g * D);
+    if (G - g == 3) {
+      block_values<T, NC, 3>(vb, row, nt, p + g * L, L, acc + g * D);
+      return;
+    }
+  }
+  for (; G - g >= 2; g += 2) block_values<T, NC, 2>(vb, row, nt, p + g * L, L, acc + g * D);
+  if (G - g == 1) block_values<T, NC, 1>(vb, row, nt, p + g * L, L, acc + g * D);
+}
+
 template <typename T, int NC>
 static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int32_t* tables,
                                  const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
@@ -316,22 +354,9 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
         if (t0 + BS < L)
           prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * D,
                          std::min(BS, L - t0 - BS), row, run_bytes);
-        for (int64_t j = 0; j < nt; ++j)
-          for (int64_t c = 0; c < hp * NC; ++c)
-            _mm512_storeu_ps(tile.data() + j * hp * D + c * 16, load16(vb + j * row + c * 16));
         for (int64_t hh = 0; hh < hp; ++hh)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = hh * G + g;
-            __m512 a[NC];
-            for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(acc.data() + i * D + c * 16);
-            const float* p = scores.data() + i * L + t0;
-            for (int64_t j = 0; j < nt; ++j) {
-              const __m512 pj = _mm512_set1_ps(p[j]);
-              const float* v = tile.data() + (j * hp + hh) * D;
-              for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), a[c]);
-            }
-            for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc.data() + i * D + c * 16, a[c]);
-          }
+          block_values_heads<T, NC>(vb + hh * D, row, nt, scores.data() + hh * G * L + t0, L,
+                                    acc.data() + hh * G * D, G);
       }
       T* os = out + (s * H + h0 * G) * D;
       for (int64_t i = 0; i < hp * G * D; ++i) os[i] = static_cast<T>(acc[i]);
