@@ -34,6 +34,10 @@ def test_rehome_keeps_values_in_one_aligned_arena():
 def test_kv_cache_is_zeroed_and_advised():
     caches = allocate_kv_cache(2, 4096, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
     assert all(not k.any() and not v.any() for k, v in caches)
+    assert all(t.data_ptr() % HUGE == 0 for kv in caches for t in kv)
+    for k, v in caches:  # pages are committed on the first write (a read maps the zero page)
+        k.fill_(1)
+        v.fill_(1)
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp = f.read()
     if "[never]" not in thp:

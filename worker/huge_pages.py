@@ -4,36 +4,40 @@ With 4 KiB pages every page a step reads costs a TLB miss; a decode step reads a
 weights, and decode attention reads KV blocks scattered over the pool. The served
 worker gets huge pages for every large allocation from glibc's malloc
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, set by the launcher); in any process the KV
-cache is advised before its first touch, and the plain weights of the one-row linear
-are copied into one advised arena (`rehome`), which the offline `LLM` needs.
+cache is mapped fresh and advised (`huge_empty`), and the plain weights of the one-row
+linear are copied into one such arena (`rehome`), which the offline `LLM` needs.
 Measured in docs/BENCHMARKS.md ("Huge pages"). Where the kernel's setting is "never",
 all of this is a no-op.
 """
 
 from __future__ import annotations
 
-import ctypes
+import math
+import mmap
 import sys
 
 import torch
 
 HUGE = 2 << 20  # a transparent huge page
-_MADV_HUGEPAGE = 14
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside a CPU tensor's memory (Linux;
-    pages already touched stay small until the kernel collapses them)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo = -(-start // HUGE) * HUGE
-    hi = end // HUGE * HUGE
-    if hi <= lo:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor in memory of its own, mapped fresh and advised for huge pages
+    (Linux), starting on a huge page. Fresh: memory from malloc may come from pages already
+    touched in small pages, which the advice does not change (glibc serves ever larger
+    blocks from its heap once large blocks have been freed). Pages are committed on first
+    touch; the mapping lives as long as the tensor (torch keeps the buffer)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    size = -(-max(nbytes, 1) // HUGE) * HUGE + HUGE  # room to start on a huge page
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if sys.platform.startswith("linux"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages, still correct
+            pass
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    off = -raw.data_ptr() % HUGE
+    return raw[off : off + nbytes].view(dtype).view(shape)
 
 
 def rehome(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
@@ -44,11 +48,10 @@ def rehome(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
     dtype = params[0].dtype
     if any(p.dtype != dtype or p.device.type != "cpu" for p in params):
         raise ValueError("rehome: CPU parameters of one dtype only")
-    align = max(1, 64 // params[0].element_size())
+    align = max(1, 64 // dtype.itemsize)
     sizes = [-(-p.numel() // align) * align for p in params]
-    arena = torch.empty(sum(sizes) + HUGE // params[0].element_size(), dtype=dtype)
-    advise_huge_pages(arena)
-    off = (-arena.data_ptr() % HUGE) // arena.element_size()  # start on a huge page
+    arena = huge_empty((sum(sizes),), dtype)
+    off = 0
     for p, n in zip(params, sizes, strict=True):
         view = arena[off : off + p.numel()].view_as(p)
         view.copy_(p.data)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from subway.worker.huge_pages import advise_huge_pages
+from subway.worker.huge_pages import huge_empty
 from subway.worker.model import KVCache
 
 
@@ -28,18 +28,16 @@ def allocate_kv_cache(
     """One `(k_cache, v_cache)` pair per layer, each `[num_blocks, block_size, kv_heads, head_dim]`.
 
     Zero-filled: a padded (masked) key must never be NaN, or 0 * NaN leaks into softmax @ V.
-    On the CPU, in transparent huge pages where the kernel allows them: decode attention
-    reads blocks scattered over the pool, a TLB miss per 4 KiB page otherwise.
+    On the CPU, in transparent huge pages where the kernel allows them (`huge_empty`):
+    decode attention reads blocks scattered over the pool, a TLB miss per 4 KiB page
+    otherwise.
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def one() -> torch.Tensor:
-        if device.type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=device)
-        t = torch.empty(shape, dtype=dtype)
-        if huge_pages:
-            advise_huge_pages(t)  # before the first touch: zero_ then faults in huge pages
-        return t.zero_()
+        if device.type == "cpu" and huge_pages:
+            return huge_empty(shape, dtype)  # zero-filled by the kernel, committed on touch
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     return [(one(), one()) for _ in range(num_layers)]
 
