@@ -36,7 +36,9 @@ def allocate_kv_cache(
 
     def one() -> torch.Tensor:
         if device.type == "cpu" and huge_pages:
-            return huge_empty(shape, dtype)  # zero-filled by the kernel, committed on touch
+            # Written once now, as torch.zeros would: the pages are committed here, not by
+            # page faults (2 MiB zeroed each) in the first steps that write there.
+            return huge_empty(shape, dtype).zero_()
         return torch.zeros(shape, dtype=dtype, device=device)
 
     return [(one(), one()) for _ in range(num_layers)]
