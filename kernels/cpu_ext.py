@@ -19,7 +19,9 @@ import threading
 
 log = logging.getLogger("subway.kernels")
 
-SOURCES = ("paged_decode_cpu.cpp", "ops_cpu.cpp", "mask_cpu.cpp", "gemv_cpu.cpp")
+SOURCES = (
+    "paged_decode_cpu.cpp", "ops_cpu.cpp", "mask_cpu.cpp", "gemv_cpu.cpp", "argmax_cpu.cpp",
+)  # fmt: skip
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

@@ -67,6 +67,8 @@ class Kernels:
     # A bfloat16 linear of one row (x, w, bias) -> y, faster than oneDNN's at decode of
     # batch 1 (`kernels/csrc/gemv_cpu.cpp`), for the layers that take it; None: none here.
     small_linear: Callable | None = None
+    # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
+    argmax_rows: Callable | None = None
 
 
 def choose_kernels(
@@ -122,4 +124,6 @@ def _cpu_kernels(ext) -> Kernels:
 
     attention = partial(_ref_attention.paged_attention, ext=ext)  # the decodes compiled
     small = ext.small_linear if ext.small_linear_supported() else None
-    return Kernels("torch", rms_norm, rope_and_write_kv, attention, ref.silu_and_mul, small)
+    return Kernels(
+        "torch", rms_norm, rope_and_write_kv, attention, ref.silu_and_mul, small, ext.argmax_rows
+    )

@@ -275,3 +275,38 @@ def test_bfloat16_layers_take_the_small_linear_for_one_row(tiny_models):
     assert _ulps_bf16(one, many) <= 1
     f32 = make_runner(tiny_models["llama"], dtype="float32")
     assert all(m.small is None for m in f32.model.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (64, 49152), (3, 17), (5, 1), (7, 100)])
+def test_argmax_rows_is_torchs_first_index_of_the_maximum(rows, vocab):
+    """bfloat16 logits tie often: the first index of the largest value, as torch.argmax of
+    the widened rows gives, ties and -inf included."""
+    ext = cpu_ext.load()
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 3).to(torch.bfloat16)
+    x[0, vocab // 2] = x[0].max()  # a tie with an earlier maximum (or the same one)
+    x[-1, : vocab // 3] = float("-inf")
+    assert torch.equal(ext.argmax_rows(x), x.float().argmax(dim=-1))
+    all_inf = torch.full((2, vocab), float("-inf"), dtype=torch.bfloat16)
+    assert torch.equal(ext.argmax_rows(all_inf), all_inf.float().argmax(dim=-1))
+
+
+def test_the_greedy_sampler_takes_the_bfloat16_argmax():
+    from subway.ipc.messages import SamplingParams
+    from subway.worker.sampler import Sampler, SampleRequest
+
+    ext = cpu_ext.load()
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return ext.argmax_rows(x)
+
+    logits = (torch.randn(6, 1000) * 3).to(torch.bfloat16)
+    greedy = [SampleRequest(SamplingParams(temperature=0.0), 0, [1], 1)] * 6
+    fast = Sampler(torch.device("cpu"), argmax_rows=counted)(logits, greedy)
+    plain = Sampler(torch.device("cpu"))(logits, greedy)
+    assert calls == [(6, 1000)] and torch.equal(fast.tokens, plain.tokens)
+    with_lp = [SampleRequest(SamplingParams(temperature=0.0, logprobs=1), 0, [1], 1)] * 6
+    out = Sampler(torch.device("cpu"), argmax_rows=counted)(logits, with_lp)
+    assert len(calls) == 1 and out.logprobs is not None  # logprobs need the float32 rows

@@ -114,7 +114,9 @@ class ModelRunner:
             arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
             self.dtype, self.device, config.model.huge_pages,
         )  # fmt: skip
-        self.sampler = Sampler(self.device, config.model.seed, self.eos_token_ids)
+        self.sampler = Sampler(
+            self.device, config.model.seed, self.eos_token_ids, kernels.argmax_rows
+        )
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
         self.grammars = Grammars(  # rank 0: SamplingParams.grammar
             config.model.tokenizer or self.path, self.vocab_size, self.eos_token_ids,

@@ -22,7 +22,7 @@ temperature and truncation), as vLLM reports them by default; prompt logprobs li
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,11 +103,17 @@ def has_penalties(p: SamplingParams) -> bool:
 
 class Sampler:
     def __init__(
-        self, device: torch.device, seed: int = 0, eos_token_ids: Sequence[int] = ()
+        self,
+        device: torch.device,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)  # what min_tokens holds back (unless ignore_eos)
+        # The greedy fast path on bfloat16 CPU logits, without widening them (a kernel).
+        self.argmax_rows = argmax_rows
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRequest], mask: LogitMask | None = None
@@ -118,9 +124,18 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         adjusted = any(r.params.logit_bias or r.num_generated < r.params.min_tokens for r in rows)
         want_logprobs = any(p.logprobs is not None for p in params)
+        fast = all(greedy) and not penalised and not adjusted and mask is None
+        if (
+            fast
+            and not want_logprobs
+            and self.argmax_rows is not None
+            and logits.dtype == torch.bfloat16
+            and logits.device.type == "cpu"
+        ):  # the same first index of the largest value, without the float32 copy
+            return SamplerOutput(tokens=self.argmax_rows(logits))
         # In float32, as transformers does (and the CPU's bfloat16 argmax is a slow scalar loop).
         raw = logits.float()
-        if all(greedy) and not penalised and not adjusted and mask is None:  # the fast path
+        if fast:
             tokens = raw.argmax(dim=-1)
         else:
             # In place on a float copy nobody else reads; else on a clone (logprobs read raw).

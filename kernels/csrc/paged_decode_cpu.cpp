@@ -422,6 +422,9 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // mask_cpu.cpp
 void apply_token_bitmask(torch::Tensor scores, torch::Tensor bitmask, std::vector<int64_t> rows);
 
+// argmax_cpu.cpp
+torch::Tensor argmax_rows(torch::Tensor x);
+
 // gemv_cpu.cpp
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool small_linear_supported();
@@ -436,6 +439,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
   m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("argmax_rows", &argmax_rows,
+        "First index of each row's largest value, bfloat16 rows without a float copy (CPU)");
   m.def("small_linear_supported", &small_linear_supported,
         "Whether small_linear was compiled (AVX512-BF16)");
   m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
