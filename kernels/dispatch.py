@@ -122,8 +122,16 @@ def _cpu_kernels(ext) -> Kernels:
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
 
+    ext_silu_and_mul = ext.silu_and_mul if ext.silu_and_mul_supported() else None
+
+    def silu_and_mul(x):
+        """bfloat16 rows in one compiled call (the reference's rounding); else the reference."""
+        if ext_silu_and_mul is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return ext_silu_and_mul(x)
+        return ref.silu_and_mul(x)
+
     attention = partial(_ref_attention.paged_attention, ext=ext)  # the decodes compiled
     small = ext.small_linear if ext.small_linear_supported() else None
     return Kernels(
-        "torch", rms_norm, rope_and_write_kv, attention, ref.silu_and_mul, small, ext.argmax_rows
+        "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small, ext.argmax_rows
     )

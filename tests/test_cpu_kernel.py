@@ -310,3 +310,21 @@ def test_the_greedy_sampler_takes_the_bfloat16_argmax():
     with_lp = [SampleRequest(SamplingParams(temperature=0.0, logprobs=1), 0, [1], 1)] * 6
     out = Sampler(torch.device("cpu"), argmax_rows=counted)(logits, with_lp)
     assert len(calls) == 1 and out.logprobs is not None  # logprobs need the float32 rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_and_mul_rounds_as_the_reference(rows):
+    """bfloat16: silu rounded, then the product rounded, as F.silu(gate) * up; the exp is our
+    polynomial, so equality is bit for bit except, rarely, one ulp at a rounding boundary."""
+    if not ext.silu_and_mul_supported():
+        pytest.skip("built without AVX512-BF16: the reference serves")
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1000, generator=gen) * 4).to(torch.bfloat16)  # a ragged tail
+    ref = F.silu(x[:, :1000]) * x[:, 1000:]
+    ours = ext.silu_and_mul(x)
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    one_ulp = ref.float().abs() * 2.0**-7  # a bfloat16 ulp is 2^-7 of the value, at most
+    assert ((ours.float() - ref.float()).abs() <= one_ulp).all()
+    assert (ours == ref).float().mean() >= 0.999

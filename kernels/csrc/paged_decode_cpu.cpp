@@ -419,6 +419,9 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots);
 
+torch::Tensor silu_and_mul(torch::Tensor x);
+bool silu_and_mul_supported();
+
 // mask_cpu.cpp
 void apply_token_bitmask(torch::Tensor scores, torch::Tensor bitmask, std::vector<int64_t> rows);
 
@@ -439,6 +442,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
   m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("silu_and_mul", &silu_and_mul,
+        "silu(gate) * up of bfloat16 rows, rounded as the reference rounds (CPU)");
+  m.def("silu_and_mul_supported", &silu_and_mul_supported,
+        "Whether silu_and_mul was compiled (AVX512-BF16)");
   m.def("argmax_rows", &argmax_rows,
         "First index of each row's largest value, bfloat16 rows without a float copy (CPU)");
   m.def("small_linear_supported", &small_linear_supported,
