@@ -8,6 +8,7 @@ only at the positions that sample.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -204,16 +205,24 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, None, self.lm_head_packed)
+        return linear(hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small)
 
     lm_head_packed: torch.Tensor | None = None
+    lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
 
-    def pack_weights(self, batch_hint: int) -> bool:
-        """Packed copies of every linear weight and the lm_head, after loading (CPU only)."""
-        # The lm_head keeps oneDNN at one row too: faster there than small_linear (56 MB).
+    def pack_weights(self, batch_hint: int, one_row_lm_head: bool = False) -> bool:
+        """Packed copies of every linear weight and the lm_head, after loading (CPU only);
+        `one_row_lm_head`: batch-1 logits through small_linear (its weight in huge pages)."""
         small = self.kernels.small_linear
         ok = all(m.pack(batch_hint, small) for m in self.modules() if isinstance(m, PackedLinear))
         self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
+        # One row of logits: small_linear too, once its weight is in huge pages (rehome):
+        # 1.01 against oneDNN's 1.21 ms (docs/BENCHMARKS.md); slower in small pages.
+        w = self.lm_head
+        suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
+        self.lm_head_small = (
+            small if one_row_lm_head and suits and self.lm_head_packed is not None else None
+        )
         if not ok or self.lm_head_packed is None:
             for m in self.modules():
                 if isinstance(m, PackedLinear):
@@ -223,7 +232,10 @@ class CausalLM(nn.Module):
 
     def one_row_weights(self) -> list[nn.Parameter]:
         """The plain weights that the one-row linear reads (after `pack_weights`)."""
-        return [m.weight for m in self.modules() if isinstance(m, PackedLinear) and m.small]
+        out = [m.weight for m in self.modules() if isinstance(m, PackedLinear) and m.small]
+        if self.lm_head_small is not None:
+            out.append(self.lm_head)
+        return out
 
     # ------------------------------------------------------------------ weights
 

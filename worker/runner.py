@@ -104,8 +104,9 @@ class ModelRunner:
         load_weights(self.model, self.path)
         self.model.eval()
         if self.device.type == "cpu" and config.model.pack_weights:
-            self.model.pack_weights(config.scheduler.max_num_seqs)  # see layers.pack_weight
-            if config.model.huge_pages:
+            huge = config.model.huge_pages
+            self.model.pack_weights(config.scheduler.max_num_seqs, huge)  # layers.pack_weight
+            if huge:
                 rehome(self.model.one_row_weights())  # read whole at every batch-1 step
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)

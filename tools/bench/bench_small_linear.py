@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, per_round in res.items():
             for m in layers:
                 m.small = kernel if name == "small_linear" else None
+            runner.model.lm_head_small = kernel if name == "small_linear" else None
             times.clear()
             llm.generate([[1, 2, 3, 4, 5] * 20 + [rnd]], params)
             per_round.append(statistics.median(times[-50:]) * 1e3)
