@@ -17,6 +17,10 @@ It prints per round and the medians: output tok/s, TPOT p50, the draft tokens pr
 and accepted (from /metrics), and whether both servers gave the same greedy text.
 
     python -m subway.tools.bench.bench_spec --out docs/bench/spec.json [--rounds 2]
+
+`--equality` instead runs the `edit` prompts offline (`subway.LLM`, greedy) with and
+without drafts, in float32 and bfloat16, and prints per prompt whether the outputs are
+identical, or where they part and the two tokens' logprobs there.
 """
 
 from __future__ import annotations
@@ -136,6 +140,32 @@ def measure(url: str, edits: list[workload.Request], std: list[workload.Request]
     return out
 
 
+def equality(model: str, spec: str) -> None:
+    """Greedy outputs offline with and without drafts: identical, or where they part."""
+    from subway.ipc.messages import SamplingParams
+    from subway.llm import LLM
+
+    tok = workload.load_tokenizer(model)
+    prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in edit_requests(tok)]
+    sp = SamplingParams(temperature=0.0, max_tokens=256, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        outs = {}
+        for cfg in ("", spec):
+            eng = LLM(path=model, dtype=dtype, speculative_config=cfg)
+            outs[cfg] = [eng.generate([p], sp)[0] for p in prompts]
+        same = 0
+        for i, (a, b) in enumerate(zip(outs[""], outs[spec], strict=True)):
+            if a.token_ids == b.token_ids:
+                same += 1
+                continue
+            n = min(len(a.token_ids), len(b.token_ids))
+            j = next((k for k in range(n) if a.token_ids[k] != b.token_ids[k]), n)
+            print(f"{dtype} edit {i}: parts at token {j}: plain {a.token_ids[j : j + 1]} "
+                  f"(top {a.top_ids[j] if j < len(a.top_ids) else '-'}), drafts "
+                  f"{b.token_ids[j : j + 1]} (top {b.top_ids[j] if j < len(b.top_ids) else '-'})")  # fmt: skip
+        print(f"{dtype}: {same} of {len(prompts)} outputs identical", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF folder (default: the default model)")
@@ -143,10 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spec", default=SPEC, help="the --speculative-config of the spec server")
     p.add_argument("--out", default="")
+    p.add_argument("--equality", action="store_true", help="offline greedy equality instead")
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
     model = a.model or ensure_default_model()
+    if a.equality:
+        equality(model, a.spec)
+        return
     tok = workload.load_tokenizer(model)
     edits = edit_requests(tok)
     std = workload.generate(tok, num_requests=64, seed=0)
