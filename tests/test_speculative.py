@@ -22,7 +22,7 @@ from subway import LLM
 from subway.ipc.messages import Grammar, Plan, SamplingParams, SeqStep, StepResult, TokenRef
 from subway.scheduler.speculative import SpeculativeConfig, SpeculativeConfigError, propose
 from subway.scheduler.worker_link import _check_result
-from subway.worker.speculative import sample_rows, verify
+from subway.worker.speculative import draft_rows, verify
 
 import reference as hf
 
@@ -112,10 +112,16 @@ def test_verify_keeps_the_matching_run_and_the_next_sampled_token():
         verify(sampled[:-1], drafts)
 
 
-def test_sample_rows_are_each_sequences_last_positions():
-    ends = np.array([3, 4, 9])  # cumulative input lengths of the sampling sequences
-    widths = np.array([2, 1, 4])
-    assert sample_rows(ends, widths).tolist() == [1, 2, 3, 5, 6, 7, 8]
+def test_draft_rows_are_one_token_rows_with_growing_contexts():
+    # A prefill chunk of 5 ending at 9, a decode at 12, a decode with a draft of 3 ending at
+    # 20 (its own token at position 16, the draft at 17..19), a plain decode at 4.
+    qlens = np.array([5, 1, 4, 1])
+    ctx = np.array([9, 12, 20, 4])
+    row_qlens, row_ctx, row_of = draft_rows([0, 0, 3, 0], qlens, ctx)
+    assert row_qlens.tolist() == [5, 1, 1, 1, 1, 1, 1]
+    assert row_ctx.tolist() == [9, 12, 17, 18, 19, 20, 4]
+    assert row_of.tolist() == [0, 1, 2, 2, 2, 2, 3]
+    assert row_qlens.sum() == qlens.sum()  # the same tokens, in the same order
 
 
 # ------------------------------------------------------------------ the scheduler

@@ -23,7 +23,7 @@ from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.sampler import Sampler, SampleRequest, has_penalties
-from subway.worker.speculative import sample_rows, verify
+from subway.worker.speculative import draft_rows, verify
 
 
 class PlanError(ValueError):
@@ -313,26 +313,28 @@ class ModelRunner:
         tables = np.zeros((n, max(len(st.block_table) for st in states)), dtype=np.int32)
         for i, st in enumerate(states):
             tables[i, : len(st.block_table)] = st.block_table
-        positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
         sampling = [i for i, step in enumerate(steps) if step.sample]
         dev = self.device
         graphs = self.graphs
         plp_idx, plp_slices = None, None  # prompt-logprob rows: rank 0, prefills that asked
         if self.rank == 0 and self.prompt_lps.active:
             plp_idx, plp_slices = self.prompt_lps.rows(steps, qlens)
+        sampled_rows = sampling  # attention rows that sample (one per sequence, without drafts)
+        ends = ctx  # per sequence: where its inputs end (`ctx` becomes per attention row)
+        if drafted:  # a draft's positions as one-token rows (same tokens, same order)
+            qlens, ctx, row_of = draft_rows([len(s.draft) for s in steps], qlens, ctx)
+            tables = tables[row_of]
+            sampled_rows = [r for r, i in enumerate(row_of.tolist()) if steps[i].sample]
+        positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
         if (
             graphs is not None
             and not plp_slices
-            and graphs.fits(qlens, len(sampling), tables.shape[1])
+            and graphs.fits(qlens, len(sampled_rows), tables.shape[1])
         ):
             logits = graphs.run(input_ids, positions, slots, ctx, tables)  # a decode step
         else:
             md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
-            if drafted:
-                widths = np.array([1 + len(steps[i].draft) for i in sampling], dtype=np.int64)
-                sample_idx = sample_rows(np.cumsum(qlens)[sampling], widths)
-            else:
-                sample_idx = np.cumsum(qlens)[sampling] - 1
+            sample_idx = np.cumsum(qlens)[sampled_rows] - 1
             if plp_slices:
                 sample_idx = np.concatenate([sample_idx, plp_idx])
             hidden = self.model(
@@ -360,7 +362,7 @@ class ModelRunner:
             rows = []
             for i in sampling:
                 st = states[i]
-                generated = int(ctx[i]) - st.prompt_len
+                generated = int(ends[i]) - st.prompt_len
                 draft = steps[i].draft
                 if not draft:
                     rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
@@ -409,12 +411,12 @@ class ModelRunner:
         return result
 
     def _check_draft(self, step_no: int, step: SeqStep, st: SeqState) -> None:
-        """A draft rides only on a sampled step, after one token of the sequence's own, within
+        """A draft rides only on a sampled decode, after its one token of its own, within
         the vocabulary, and never for a constrained sequence (on every rank alike)."""
         d = step.draft
         if (
             not step.sample
-            or len(d) >= step.num_tokens
+            or len(d) != step.num_tokens - 1  # a decode: one token of its own
             or min(d) < 0
             or max(d) >= self.vocab_size
             or st.sampling.grammar is not None

@@ -2,7 +2,8 @@
 
 A sequence with a draft `d_1 .. d_k` feeds its last token and the draft at
 positions `p .. p + k`; the logits at position `p + j` give the distribution of
-the token after `d_j` (after the last token for `j = 0`). The worker samples
+the token after `d_j` (after the last token for `j = 0`); attention sees them as
+`k + 1` one-token rows with growing contexts (`draft_rows`). The worker samples
 every one of those `k + 1` rows as it samples any row (same parameters, the
 row's own count of generated tokens for seeds and min_tokens, the draft before
 it for penalties), then keeps the sampled tokens up to and including the first
@@ -21,13 +22,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Flat batch indices of the rows to sample: for each sampling sequence, whose inputs
-    end at `ends[i]` (exclusive), its last `widths[i]` positions, in order."""
-    total = int(widths.sum())
-    starts = np.repeat(ends - widths, widths)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(widths) - widths, widths)
-    return starts + offsets
+def draft_rows(
+    drafts: list[int], qlens: np.ndarray, ctx: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's sequences as attention rows: a sequence with a draft of `k` tokens (its one
+    own token, then the draft) becomes `k + 1` rows of one query token each, whose contexts
+    end at their own positions (causal), so that decode attention serves them as it serves
+    any decode, reading the blocks in place; other sequences stay one row. `drafts[i]` is
+    sequence i's draft length. Returns per row: query length, context length, its sequence."""
+    widths = np.asarray(drafts, dtype=np.int64) + 1
+    row_of = np.repeat(np.arange(len(widths)), widths)
+    first = np.cumsum(widths) - widths  # each sequence's first row
+    j = np.arange(len(row_of)) - first[row_of]  # a row's place within its sequence
+    drafted = widths[row_of] > 1
+    row_qlens = np.where(drafted, 1, qlens[row_of])
+    row_ctx = np.where(drafted, ctx[row_of] - (widths[row_of] - 1) + j, ctx[row_of])
+    return row_qlens, row_ctx, row_of
 
 
 def verify(sampled: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
