@@ -169,30 +169,8 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "vec_math.h"
 
-// exp on 16 lanes for |x| < 88 (clamped): 2^n * p(f), a degree-6 polynomial for 2^f, f in
-// [-0.5, 0.5], relative error ~2e-7 (the decode kernel's, for any sign).
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __m512 widen(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 static inline __m256i narrow(__m512 v) {  // round to nearest even, as torch's bfloat16 cast
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
@@ -215,10 +193,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       uint16_t* dst = o + r * n;
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1u);
-        const __m512 gv = widen(_mm256_maskz_loadu_epi16(k, g + j));
-        const __m512 uv = widen(_mm256_maskz_loadu_epi16(k, u + j));
+        const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(k, g + j));
+        const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(k, u + j));
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = widen(narrow(_mm512_div_ps(gv, _mm512_add_ps(one, e))));
+        const __m512 s = widen_bf16(narrow(_mm512_div_ps(gv, _mm512_add_ps(one, e))));
         _mm256_mask_storeu_epi16(dst + j, k, narrow(_mm512_mul_ps(s, uv)));
       }
     }

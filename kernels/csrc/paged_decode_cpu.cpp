@@ -16,6 +16,7 @@
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "vec_math.h"
 #endif
 
 // exp for x <= 0 (scores minus their max), vectorisable, relative error ~2e-7:
@@ -125,8 +126,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
 // NC accumulators per query head held in registers across the block.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -206,25 +206,8 @@ static constexpr bool kDirectScores = std::is_same_v<T, c10::BFloat16> && NC % 2
 static constexpr bool kDirectScores = false;
 #endif
 
-// exp_nonpos and softmax on 16 lanes at once. (The scalar loops above do not vectorise:
-// without -ffast-math the compiler keeps the max reduction in order and calls roundf.)
-static inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
+// The softmax on 16 lanes at once, with vec_math.h's exp16. (The scalar loops above do not
+// vectorise: without -ffast-math the compiler keeps the max reduction in order and calls roundf.)
 static inline void softmax16(float* sc, int64_t L) {
   __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
@@ -235,7 +218,7 @@ static inline void softmax16(float* sc, int64_t L) {
   __m512 vsum = _mm512_setzero_ps();
   for (t = 0; t < L; t += 16) {
     const __mmask16 k = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1u);
-    const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mm));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mm));
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
     _mm512_mask_storeu_ps(sc + t, k, e);
   }
