@@ -355,9 +355,7 @@ class ModelRunner:
 
         out = None
         constrained: GrammarStep | None = None
-        row_seqs = [steps[i].seq_id for i in sampling]  # a sampled row's sequence, row order
-        if drafted:
-            row_seqs = [steps[i].seq_id for i in sampling for _ in range(1 + len(steps[i].draft))]
+        seq_ids = [steps[i].seq_id for i in sampling]
         if self.rank == 0:
             rows = []
             for i in sampling:
@@ -375,18 +373,25 @@ class ModelRunner:
             if logits is None:
                 logits = self.model.compute_logits(hidden)
             if grammars.active:  # filled on the host while the device computes the logits
+                row_seqs = (
+                    seq_ids
+                    if not drafted
+                    else [  # each sampled row's sequence
+                        steps[i].seq_id for i in sampling for _ in range(1 + len(steps[i].draft))
+                    ]
+                )
                 constrained = self._grammar_step(row_seqs)
             out = self.sampler(logits, rows, constrained.mask if constrained else None)
             token_tensor = out.tokens
         else:
-            token_tensor = torch.empty(len(row_seqs), dtype=torch.int64, device=dev)
+            token_tensor = torch.empty(len(sampled_rows), dtype=torch.int64, device=dev)
         tokens = self.tp.broadcast(token_tensor.to(torch.int64)).tolist()
         if self.rank != 0 and tokens and min(tokens) < 0:
             raise PlanError(f"step {plan.step}: failed on rank 0 (a grammar)")
         if constrained is not None:
             constrained.accept(tokens)  # constrained rows carry no draft: one row each
 
-        result = StepOutput([steps[i].seq_id for i in sampling], tokens)
+        result = StepOutput(seq_ids, tokens)
         kept = None
         if drafted:  # every rank alike: the same sampled rows, the same drafts
             tokens, result.num_tokens, kept = verify(tokens, [steps[i].draft for i in sampling])
