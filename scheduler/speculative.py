@@ -49,7 +49,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Speculate only while at most this many requests run (vLLM's field; its default is
-    # "always", ours is measured: see docs/BENCHMARKS.md, "Speculative decoding").
+    # "always"). 4 is a judgement, not yet a sweep: at 64 at once the standard workload is
+    # no slower with it (docs/BENCHMARKS.md, "Speculative decoding").
     disable_by_batch_size: int = 4
 
     @classmethod
