@@ -86,7 +86,7 @@ class SchedulerConfig:
     speculative_config: str = opt(
         "", 'speculative decoding, JSON as vLLM spells it: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
-        '"disable_by_batch_size": 4}; empty: off'
+        '"disable_by_batch_size": 8}; empty: off'
     )  # fmt: skip
     step_timeout: float = opt(
         300.0, "seconds one step may take before the workers count as hung and the engine "

@@ -49,9 +49,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Speculate only while at most this many requests run (vLLM's field; its default is
-    # "always"). 4 is a judgement, not yet a sweep: at 64 at once the standard workload is
-    # no slower with it (docs/BENCHMARKS.md, "Speculative decoding").
-    disable_by_batch_size: int = 4
+    # "always"). Measured (docs/BENCHMARKS.md, "Speculative decoding", the sweep): drafts
+    # at every batch size gave 1.4x at 4 and 8 at once on a repetitive workload, and broke
+    # even there at 16.
+    disable_by_batch_size: int = 8
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig | None:

@@ -18,6 +18,10 @@ and accepted (from /metrics), and whether both servers gave the same greedy text
 
     python -m subway.tools.bench.bench_spec --out docs/bench/spec.json [--rounds 2]
 
+`--sweep` instead finds where speculation stops paying: plain against drafts at every
+batch size (`disable_by_batch_size` 64), `edit` twice over (16 requests) at concurrency 1,
+4, 8 and 16, and the standard workload at 16: output tok/s of each and the ratio.
+
 `--equality` instead runs the `edit` prompts offline (`subway.LLM`, greedy) with and
 without drafts, in float32 and bfloat16, and prints per prompt whether the outputs are
 identical, or where they part and the two tokens' logprobs there.
@@ -166,6 +170,33 @@ def equality(model: str, spec: str) -> None:
         print(f"{dtype}: {same} of {len(prompts)} outputs identical", flush=True)
 
 
+def sweep(edits: list[workload.Request], std: list[workload.Request], base: list[str],
+          spec: str, threads: int) -> dict:  # fmt: skip
+    """Output tok/s, plain and always speculating, per workload and concurrency."""
+    always = json.loads(spec) | {"disable_by_batch_size": 64}
+    systems = {"plain": base, "spec": [*base, "--speculative-config", json.dumps(always)]}
+    edits2 = [workload.Request(f"{r.id}-{k}", r.prompt, r.prompt_tokens, r.max_tokens)
+              for k in range(2) for r in edits]  # fmt: skip
+    plan = [(f"edit c{c}", edits2, c, {"ignore_eos": False}) for c in (1, 4, 8, 16)]
+    plan.append(("standard c16", std, 16, None))
+    out: dict[str, dict[str, float]] = {}
+    for name, flags in systems.items():
+        with compare.subway_server(f"sweep-{name}", flags, threads) as url:
+            bench_serving.benchmark(url, compare.warmup_requests(), progress=False,
+                                    keep_records=False)  # fmt: skip
+            for setting, reqs, conc, extra in plan:
+                vs_vllm.wait_for_quiet(0.3, 600.0)
+                r = bench_serving.benchmark(url, reqs, max_concurrency=conc, progress=False,
+                                            extra=extra)  # fmt: skip
+                tps = r["metrics"]["output_throughput"]
+                out.setdefault(setting, {})[name] = tps
+                print(f"  {name} {setting}: {tps:.1f} tok/s", flush=True)
+    for v in out.values():
+        v["spec_over_plain"] = v["spec"] / v["plain"]
+    print(json.dumps(out, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF folder (default: the default model)")
@@ -174,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec", default=SPEC, help="the --speculative-config of the spec server")
     p.add_argument("--out", default="")
     p.add_argument("--equality", action="store_true", help="offline greedy equality instead")
+    p.add_argument("--sweep", action="store_true", help="where drafts stop paying, instead")
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
@@ -185,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     edits = edit_requests(tok)
     std = workload.generate(tok, num_requests=64, seed=0)
     base = [*vs_vllm.ENGINE_FLAGS, *(["--model", a.model] if a.model else [])]
+    if a.sweep:
+        result = sweep(edits, std, base, a.spec, a.threads)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     systems = {"plain": base, "spec": [*base, "--speculative-config", a.spec]}
     runs: dict[str, list[dict]] = {"plain": [], "spec": []}
     names = list(systems)
