@@ -89,13 +89,15 @@ def test_propose_takes_what_followed_the_most_recent_longest_match():
 
 
 def test_propose_matches_whole_tokens_only():
-    # 256 and 1 share bytes across a token boundary ([0, 1, 0, 0] | [1, 0, 0, 0] ...): a
-    # byte search that ignored alignment would find the tail inside two other tokens.
-    a, b = 1 << 8, 1 << 16
-    seq = ids(a, b, 7, 1 << 24, 1 << 8)
-    assert propose(seq, ids(), 2, 1, 1) == [b, 7]
-    tricky = ids(0x01000000, 0x00000001, 5, 0x00010000)  # bytes 00 00 00 01 01 00 00 00 ...
-    assert propose(tricky, ids(0x00000100), 2, 1, 1) == []
+    # The tail token a = 256 has the bytes 00 01 00 00. An aligned match sits at token 0;
+    # a later, unaligned one spans t1's last two bytes (00 01) and t2's first two (00 00).
+    # A byte search that ignored alignment would take that later one.
+    a = 1 << 8
+    t1 = 9 + (1 << 24)  # bytes 09 00 00 01
+    t2 = 7 << 16  # bytes 00 00 07 00
+    seq = ids(a, 42, t1, t2, 99, a)
+    assert bytes(seq)[10:14] == bytes(ids(a))  # the unaligned occurrence is there
+    assert propose(seq, ids(), 2, 1, 1) == [42, t1]
 
 
 # ------------------------------------------------------------------ verification
