@@ -57,6 +57,9 @@ class ModelConfig:
                              flag="--no-pack-weights")  # fmt: skip
     huge_pages: bool = opt(True, "CPU: weights and KV cache in transparent huge pages where "
                            "the kernel allows them", flag="--no-huge-pages")  # fmt: skip
+    quantization: str = opt("none", "int8: linear weights quantized at load (per output "
+                            "channel), activations per token; CPU only",
+                            choices=("none", "int8"))  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.served_model_name and self.path:
@@ -72,6 +75,9 @@ class CacheConfig:
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights, activations, KV")
     num_kv_blocks: int = opt(0, "override the KV block count (0: from the memory budget)")
     enable_prefix_caching: bool = opt(True, "", flag="--no-prefix-caching")
+    kv_cache_dtype: str = opt("auto", "auto: the model's dtype; int8: 8-bit keys and values "
+                              "with a scale per slot and head (CPU only)",
+                              choices=("auto", "int8"))  # fmt: skip
 
 
 @dataclass(frozen=True)

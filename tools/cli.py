@@ -107,6 +107,15 @@ def check_speculative(config: EngineConfig) -> None:
         raise SystemExit(f"subway: {e}") from None
 
 
+def check_quantization(config: EngineConfig) -> None:
+    """`--quantization` and `--kv-cache-dtype`, checked before anything starts."""
+    from subway.worker.quant import unsupported_reason
+
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise SystemExit(f"subway: {reason}")
+
+
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """Fill in the default model (converting it on first use) and the served name."""
     if config.model.path:
@@ -142,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.command}: give every process of one engine the same --run-id")
     config = config_from_args(args)
     check_speculative(config)
+    check_quantization(config)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent
 
