@@ -7,6 +7,9 @@ context_lens[i] - 1`; the KV cache already holds (or, after `write_kv`, holds)
 all `context_lens[i]` positions, in the blocks named by row `i` of
 `block_tables`. A KV cache is `[num_blocks, block_size, num_kv_heads,
 head_dim]`; slot `s` is block `s // block_size`, offset `s % block_size`.
+An 8-bit cache (`--kv-cache-dtype int8`) is int8 `[..., head_dim + KV_SCALE_BYTES]`:
+each slot and head holds its quantized vector, then that vector's float32 scale
+(`quantize_kv`); readers dequantize what they read (`dequantize_kv`).
 
 Decodes (one query token) are batched into one gather and two matmuls, padded
 to the longest decode context and masked. Prefill chunks are computed one
@@ -111,6 +114,31 @@ def positions_and_slots(
     return positions, blocks * block_size + positions % block_size
 
 
+KV_SCALE_BYTES = 4  # the float32 scale after each quantized head vector of an int8 cache
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., d]` as int8 `[..., d + 4]`: symmetric per vector, `scale = absmax / 127`,
+    `q = round(x / scale)` clamped to +-127 (all zeros where the scale is 0), then the
+    scale's four bytes. The C++ write (`ops_cpu.cpp`, `quantize_head`) rounds the same."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, xf / scale, 0.0).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 `rows [..., d + 4]` of an 8-bit cache back to `[..., d]` of `dtype`."""
+    d = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return (rows[..., :d].float() * scale).to(dtype)
+
+
+def _read_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as `dtype` values: dequantized from an int8 cache, else as they are."""
+    return dequantize_kv(rows, dtype) if rows.dtype == torch.int8 else rows
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -118,8 +146,13 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots of the caches."""
+    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots of the caches
+    (quantized, `quantize_kv`, into an int8 cache)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    if k_cache.dtype == torch.int8:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantize_kv(k))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, quantize_kv(v))
+        return
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -134,7 +167,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out.
 
-    `ext`: the compiled CPU ops (`cpu_ext.load()`), which then serve the decodes.
+    `ext`: the compiled CPU ops (`cpu_ext.load()`), which then serve the decodes (reading
+    an int8 cache in place too).
     """
     if md.all_decode:
         return _decode_attention(q, k_cache, v_cache, md, scale, ext)
@@ -146,8 +180,8 @@ def paged_attention(
     bs = k_cache.shape[1]
     for (seq, start, qlen, ctx), mask in zip(md.prefills, md.prefill_masks, strict=True):
         blocks = md.block_tables[seq, : -(-ctx // bs)]
-        k = k_cache[blocks].flatten(0, 1)[:ctx]
-        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        k = _read_kv(k_cache[blocks].flatten(0, 1)[:ctx], q.dtype)
+        v = _read_kv(v_cache[blocks].flatten(0, 1)[:ctx], q.dtype)
         out[start : start + qlen] = _prefill_attention(q[start : start + qlen], k, v, mask, scale)
     return out
 
@@ -178,15 +212,15 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """One query token per sequence: one gather, two batched matmuls, padded keys masked."""
     n, num_heads, head_dim = q.shape
-    _, bs, num_kv_heads, _ = k_cache.shape
+    bs, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     tables = md.block_tables[:, : md.decode_max_blocks]
     if not md.all_decode:
         tables = tables.index_select(0, md.decode_seqs)
     length = tables.shape[1] * bs
     # [n, L, kvh, d] -> [n, kvh, L, d]
-    k = k_cache[tables].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    k = _read_kv(k_cache[tables], q.dtype).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = _read_kv(v_cache[tables], q.dtype).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
     qg = q.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [n, kvh, g, L]
     scores.masked_fill_(md.decode_pad[:, None, None, :], float("-inf"))

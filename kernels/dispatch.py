@@ -14,7 +14,8 @@ With the references on the CPU and `cpu_ext` (the default), the compiled C++
 kernels (`cpu_ext`, `kernels/csrc/`) serve decode attention, RMSNorm, rotary
 embedding with the KV-cache write, and the bfloat16 linears of one-row steps, where
 they apply; where they cannot be built,
-the references serve.
+the references serve. Both read and write an 8-bit KV cache (`--kv-cache-dtype int8`,
+`attention.quantize_kv`); Triton does not (refused at start, `worker.quant`).
 
 The layers keep the functions they call, so a step does no lookup of the mode,
 the environment or the extension. The Triton modules are imported only when
@@ -113,8 +114,9 @@ def _cpu_kernels(ext) -> Kernels:
         return ref_rms_norm(x, weight, eps, residual)
 
     def rope_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-        """One compiled call (q, k, v may be strided views of the qkv output)."""
-        if q.dtype == k_cache.dtype == cos_sin_cache.dtype:
+        """One compiled call (q, k, v may be strided views of the qkv output); it quantizes
+        into an int8 cache (`--kv-cache-dtype int8`) as the reference `write_kv` does."""
+        if q.dtype == cos_sin_cache.dtype and k_cache.dtype in (q.dtype, torch.int8):
             return ext_rope_write_kv(
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
             )

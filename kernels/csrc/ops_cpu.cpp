@@ -7,6 +7,7 @@
 // reference bit for bit except where a float32 sum's order differs (the RMS mean).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -122,9 +123,31 @@ static inline void rope_head(const T* xt, const T* cst, T* outt, int64_t D) {
   }
 }
 
+// One head vector into an 8-bit cache row: symmetric, scale = absmax / 127, q = round(x /
+// scale) (to nearest even) clamped to +-127, all zeros where the scale is 0; then the
+// float32 scale's 4 bytes. As kernels/attention.py quantize_kv, bit for bit.
+template <typename T>
+static inline void quantize_head(const T* xt, int8_t* dst, int64_t D) {
+  using R = Raw<T>;
+  const typename R::S* x = reinterpret_cast<const typename R::S*>(xt);
+  float m = 0.f;
+  for (int64_t i = 0; i < D; ++i) m = std::max(m, std::fabs(R::get(x[i])));
+  const float s = m / 127.f;
+  if (s > 0.f) {
+    for (int64_t i = 0; i < D; ++i) {
+      const float r = std::nearbyint(R::get(x[i]) / s);
+      dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+    }
+  } else {
+    std::memset(dst, 0, D);
+  }
+  std::memcpy(dst + D, &s, sizeof(s));
+}
+
 // q [n, H, D], k/v [n, KVH, D] (any token and head strides, unit last stride). Returns q
 // rotated, contiguous; writes rotated k and v to the caches at `slots` (slot s: block s / BS,
-// offset s % BS of a [num_blocks, BS, KVH, D] cache).
+// offset s % BS of a [num_blocks, BS, KVH, D] cache; of an int8 [num_blocks, BS, KVH, D + 4]
+// cache, quantized by `quantize_head`).
 torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor positions, torch::Tensor cos_sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots) {
@@ -134,10 +157,14 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
               "positions and slots are int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos_sin.is_contiguous(),
               "caches contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == cos_sin.scalar_type(),
+  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8 || q.scalar_type() == k_cache.scalar_type()) &&
+                  q.scalar_type() == cos_sin.scalar_type(),
               "rope_write_kv: dtypes differ");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D && k_cache.size(3) == D &&
+  const int64_t W = int8 ? D + 4 : D;  // a cache row: an int8 one ends in its scale
+  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D && k_cache.size(3) == W &&
                   k_cache.size(2) == KVH,
               "rope_write_kv: shapes do not match");
   positions = positions.contiguous();
@@ -147,17 +174,27 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     using T = scalar_t;
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     const T* cs = cos_sin.data_ptr<T>();
-    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>(), *op = out.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T *kc = int8 ? nullptr : k_cache.data_ptr<T>(), *vc = int8 ? nullptr : v_cache.data_ptr<T>();
+    int8_t* kc8 = int8 ? k_cache.data_ptr<int8_t>() : nullptr;
+    int8_t* vc8 = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* sl = slots.data_ptr<int64_t>();
     const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
     const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      std::vector<T> rotated(int8 ? D : 0);  // k after RoPE, before it is quantized
       for (int64_t t = begin; t < end; ++t) {
         const T* c = cs + pos[t] * D;
         for (int64_t h = 0; h < H; ++h) rope_head<T>(qp + t * qs0 + h * qs1, c, op + (t * H + h) * D, D);
         const int64_t slot = sl[t];
         for (int64_t h = 0; h < KVH; ++h) {
+          if (int8) {
+            rope_head<T>(kp + t * ks0 + h * ks1, c, rotated.data(), D);
+            quantize_head<T>(rotated.data(), kc8 + (slot * KVH + h) * W, D);
+            quantize_head<T>(vp + t * vs0 + h * vs1, vc8 + (slot * KVH + h) * W, D);
+            continue;
+          }
           rope_head<T>(kp + t * ks0 + h * ks1, c, kc + (slot * KVH + h) * D, D);
           std::memcpy(vc + (slot * KVH + h) * D, vp + t * vs0 + h * vs1, D * sizeof(T));
         }

@@ -1,5 +1,45 @@
-// Small AVX-512 helpers the CPU kernels share.
+// Small helpers the CPU kernels share: the softmax of decode attention (scalar, and on
+// AVX-512 vectors), the AVX-512 exp and bfloat16 widening.
 #pragma once
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+// exp for x <= 0 (scores minus their max), vectorisable, relative error ~2e-7:
+// 2^(x log2 e) split into 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5].
+static inline float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = __builtin_roundf(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// In place over one query head's scores, normalised before the values are summed.
+static inline void softmax(float* sc, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < L; ++t) m = sc[t] > m ? sc[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    sc[t] = exp_nonpos(sc[t] - m);
+    sum += sc[t];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+  for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -25,5 +65,29 @@ static inline __m512 exp16(__m512 x) {
 // 16 bfloat16 values (raw bits) as floats: bfloat16 is the top half of a float32.
 static inline __m512 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The softmax on 16 lanes at once, with vec_math.h's exp16. (The scalar `softmax` does not
+// vectorise: without -ffast-math the compiler keeps the max reduction in order and calls roundf.)
+static inline void softmax16(float* sc, int64_t L) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + t));
+  float m = _mm512_reduce_max_ps(vm);
+  for (; t < L; ++t) m = sc[t] > m ? sc[t] : m;
+  const __m512 mm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mm));
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
+    _mm512_mask_storeu_ps(sc + t, k, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+  const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+  for (t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1u);
+    _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + t), inv));
+  }
 }
 #endif
