@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from subway.kernels.attention import KV_SCALE_BYTES
 from subway.worker.huge_pages import huge_empty
 from subway.worker.model import KVCache
 
 
+def kv_slot_layout(head_dim: int, dtype: torch.dtype, kv_int8: bool) -> tuple[int, torch.dtype]:
+    """The last dimension and element type of a cache: one head vector of one slot.
+
+    With `kv_int8` (`--kv-cache-dtype int8`), `head_dim` int8 values and then their float32
+    scale (`kernels.attention.quantize_kv`); else `head_dim` values of the model's `dtype`.
+    """
+    return (head_dim + KV_SCALE_BYTES, torch.int8) if kv_int8 else (head_dim, dtype)
+
+
 def block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_int8: bool = False,
 ) -> int:
     """Bytes of one block across all layers, keys and values."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    width, elem = kv_slot_layout(head_dim, dtype, kv_int8)
+    return 2 * num_layers * block_size * num_kv_heads * width * elem.itemsize
 
 
 def allocate_kv_cache(
@@ -24,15 +40,18 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     huge_pages: bool = True,
+    kv_int8: bool = False,
 ) -> list[KVCache]:
-    """One `(k_cache, v_cache)` pair per layer, each `[num_blocks, block_size, kv_heads, head_dim]`.
+    """One `(k_cache, v_cache)` pair per layer, each `[num_blocks, block_size, kv_heads, head_dim]`
+    of `dtype`, or with `kv_int8` int8 `[..., head_dim + 4]` (`kv_slot_layout`).
 
     Zero-filled: a padded (masked) key must never be NaN, or 0 * NaN leaks into softmax @ V.
     On the CPU, in transparent huge pages where the kernel allows them (`huge_empty`):
     decode attention reads blocks scattered over the pool, a TLB miss per 4 KiB page
     otherwise.
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    width, dtype = kv_slot_layout(head_dim, dtype, kv_int8)
+    shape = (num_blocks, block_size, num_kv_heads, width)
 
     def one() -> torch.Tensor:
         if device.type == "cpu" and huge_pages:

@@ -36,4 +36,6 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
             return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
     if kv == "int8" and not config.model.cpu_ext:
         return "--kv-cache-dtype int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
+    if kv == "int8" and config.model.kernels == "triton":
+        return "--kv-cache-dtype int8 has no Triton kernels (drop --kernels triton)"
     return None

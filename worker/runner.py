@@ -118,6 +118,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
             self.dtype, self.device, config.model.huge_pages,
+            kv_int8=config.cache.kv_cache_dtype == "int8",
         )  # fmt: skip
         self.sampler = Sampler(
             self.device, config.model.seed, self.eos_token_ids, kernels.argmax_rows
@@ -140,7 +141,8 @@ class ModelRunner:
         if self.config.cache.num_kv_blocks > 0:
             return self.config.cache.num_kv_blocks
         layers, heads, head_dim = self._kv_shape
-        per_block = block_bytes(layers, self.block_size, heads, head_dim, self.dtype)
+        kv_int8 = self.config.cache.kv_cache_dtype == "int8"
+        per_block = block_bytes(layers, self.block_size, heads, head_dim, self.dtype, kv_int8)
         if self.device.type == "cuda":
             budget = cuda_kv_budget(
                 self.config.cache.gpu_memory_utilization, self.device, self._profile_peak()
@@ -161,8 +163,9 @@ class ModelRunner:
         layers, heads, head_dim = self._kv_shape
         torch.cuda.reset_peak_memory_stats(self.device)
         caches = allocate_kv_cache(
-            layers, blocks, self.block_size, heads, head_dim, self.dtype, self.device
-        )
+            layers, blocks, self.block_size, heads, head_dim, self.dtype, self.device,
+            kv_int8=self.config.cache.kv_cache_dtype == "int8",
+        )  # fmt: skip
         qlens, ctx = np.array([n]), np.array([n])
         table = np.arange(blocks, dtype=np.int32)[None, :]
         positions, slots = positions_and_slots(qlens, ctx, table, self.block_size)
