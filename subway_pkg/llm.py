@@ -34,8 +34,14 @@ class Output:
     text: str | None = None  # decoded, for text prompts
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
+    # When SamplingParams.prompt_logprobs asked: entry j is about prompt token j + 1.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
 
     def add(self, d: RequestDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs.logprobs
+            self.prompt_top_ids = d.prompt_logprobs.top_ids
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
         self.top_ids += d.top_ids or []

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from subway.kernels.dispatch import Kernels
 from subway.worker.parallel import TensorParallel
+from subway.worker.quant import Int8Linear
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -65,17 +66,33 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(nn.Module):
-    """Base of the linear layers: `weight`, `bias`, and an optional packed copy (`pack`)."""
+    """Base of the linear layers: `weight`, `bias`, and an optional packed copy (`pack`)
+    or int8 copy (`quantize`)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
     small: Callable | None = None  # its one-row linear (see `linear`), set by `pack`
+    int8: Int8Linear | None = None  # set by `quantize`; the float weight is then dropped
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
+        if self.int8 is not None:
+            return self.int8(x, bias)
+        return linear(x, self.weight, bias, self.packed, self.small)
+
+    def quantize(self, ops: object) -> None:
+        """Replace the weight by its int8 copy (worker/quant.py), freeing the float one."""
+        self.int8 = Int8Linear(self.weight, None, ops)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.packed, self.small = None, None
 
     def pack(self, batch_hint: int, small: Callable | None = None) -> bool:
         """Keep a packed copy of the loaded weight for `forward`; False where unsupported.
         `small` (`Kernels.small_linear`) serves one-row steps where the weight suits it:
-        bfloat16, its input a multiple of 32."""
+        bfloat16, its input a multiple of 32. A quantized layer has nothing to pack."""
+        if self.int8 is not None:
+            return True
         self.packed = pack_weight(self.weight, batch_hint)
         w = self.weight
         suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
@@ -121,9 +138,7 @@ class QKVParallelLinear(PackedLinear):
         self.bias = empty_param((out,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return linear(x, self.weight, self.bias, self.packed, self.small).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
+        return self.matmul(x, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def load(self, which: str, name: str, tensor: torch.Tensor) -> None:
         """`which` is q, k or v; `name` is weight or bias."""
@@ -160,7 +175,7 @@ class MergedColumnParallelLinear(PackedLinear):
         self.bias = empty_param((sum(self.local),), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.small)
+        return self.matmul(x, self.bias)
 
     def load(self, index: int, name: str, tensor: torch.Tensor) -> None:
         n = self.local[index]
@@ -194,8 +209,8 @@ class RowParallelLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias, self.packed, self.small)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed, self.small))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def load(self, name: str, tensor: torch.Tensor) -> None:

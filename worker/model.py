@@ -29,6 +29,7 @@ from subway.worker.layers import (
 )
 from subway.worker.model_arch import ModelArch
 from subway.worker.parallel import TensorParallel
+from subway.worker.quant import Int8Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -205,16 +206,30 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8(hidden)
         return linear(hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small)
 
     lm_head_packed: torch.Tensor | None = None
     lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
+    lm_head_int8: Int8Linear | None = None
+
+    def quantize_int8(self, ops: object, lm_head: bool = True) -> None:
+        """`--quantization int8` (worker/quant.py), after loading: every linear layer's
+        weight, and the lm_head's when `lm_head` (the embeddings stay as they are)."""
+        for m in self.modules():
+            if isinstance(m, PackedLinear):
+                m.quantize(ops)
+        if lm_head:
+            self.lm_head_int8 = Int8Linear(self.lm_head, None, ops)
 
     def pack_weights(self, batch_hint: int, one_row_lm_head: bool = False) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only);
         `one_row_lm_head`: batch-1 logits through small_linear (its weight in huge pages)."""
         small = self.kernels.small_linear
         ok = all(m.pack(batch_hint, small) for m in self.modules() if isinstance(m, PackedLinear))
+        if self.lm_head_int8 is not None:
+            return ok
         self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
         # One row of logits: small_linear too, once its weight is in huge pages (rehome):
         # 1.01 against oneDNN's 1.21 ms (docs/BENCHMARKS.md); slower in small pages.

@@ -39,3 +39,53 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
     if kv == "int8" and config.model.kernels == "triton":
         return "--kv-cache-dtype int8 has no Triton kernels (drop --kernels triton)"
     return None
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight [out, in]` -> (int8 [out, in], float32 scales [out]): symmetric per output
+    channel, q = round(w / s) with s = max|w| / 127 (s = 1 for an all-zero row)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class Int8Linear:
+    """One linear layer's int8 weight, prepacked for oneDNN, and the call that uses it.
+
+    `__call__(x [rows, in]) -> [rows, out]` in x's dtype: x quantized per row
+    (`quantize_rows`), the int8 matmul with the weight's per-channel scales folded in
+    (oneDNN, output in x's dtype), then each row times its own scale and plus the bias
+    (`rescale_rows_`, in place).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: object) -> None:
+        q, scales = quantize_weight(weight)
+        self.out_features, self.in_features = q.shape
+        self.scales = scales
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.bias = None if bias is None else bias.detach().clone()
+        self._quantize = ops.quantize_rows
+        self._rescale = ops.rescale_rows_
+        self._matmul = torch.ops.onednn.qlinear_pointwise
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        q, s = self._quantize(x)
+        y = self._matmul(
+            q, 1.0, 0, self.packed, self.scales, self.zero_points, None,
+            1.0, 0, x.dtype, "none", [], "",
+        )  # fmt: skip
+        return self._rescale(y, s, bias)
+
+
+def int8_ops() -> object:
+    """`torch.ops.subway_int8` (kernels/csrc/quant_cpu.cpp), compiled on first use."""
+    from subway.kernels import cpu_ext
+
+    if cpu_ext.load() is None:
+        raise RuntimeError("--quantization int8 needs the C++ CPU kernels, which did not build")
+    return torch.ops.subway_int8

@@ -22,7 +22,7 @@ from subway.worker.model import CausalLM
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
-from subway.worker.quant import unsupported_reason
+from subway.worker.quant import int8_ops, unsupported_reason
 from subway.worker.sampler import Sampler, SampleRequest, has_penalties
 from subway.worker.speculative import draft_rows, verify
 
@@ -107,6 +107,8 @@ class ModelRunner:
         reason = unsupported_reason(config, self.device)
         if reason is not None:
             raise ValueError(reason)
+        if config.model.quantization == "int8":
+            self.model.quantize_int8(int8_ops())
         if self.device.type == "cpu" and config.model.pack_weights:
             huge = config.model.huge_pages
             self.model.pack_weights(config.scheduler.max_num_seqs, huge)  # layers.pack_weight

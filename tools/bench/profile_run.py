@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--quantization", default="none", choices=("none", "int8"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if not a.model:
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=2048,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     eng = LLM(cfg)
     warm = workload.generate(tok, 1, seed=12345, max_output_tokens=16)[0]

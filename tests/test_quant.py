@@ -1,0 +1,144 @@
+"""`--quantization int8`: the quantized linear against float references, and the engine
+serving the default model with int8 weights (batched, chunked, preempted, two ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subway import LLM
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import SamplingParams
+from subway.worker.quant import Int8Linear, int8_ops, quantize_weight, unsupported_reason
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return int8_ops()
+
+
+def _reference_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8, computed as the kernel does: x * (127 / max|x|), rounded."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # 127 / max correctly rounded (torch's float32 division of a scalar by a tensor may
+    # multiply by a reciprocal instead, one ulp off).
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    q = torch.round(xf * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 16), (5, 100), (33, 576), (64, 1536)])
+def test_quantize_rows_matches_the_reference(ops, dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype)
+    x[0] = 0  # an all-zero row: scale 0, zeros
+    q, s = ops.quantize_rows(x)
+    rq, rs = _reference_rows(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert torch.equal(q, rq)
+    assert torch.equal(s, rs)
+    assert s[0] == 0 and not q[0].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,k,n", [(1, 576, 960), (7, 100, 33), (64, 1536, 576), (300, 64, 4096), (512, 576, 1536)]
+)
+def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
+    """Tolerances: against the exact integer arithmetic it implements, float32 rounding
+    (1e-5) or one bfloat16 rounding of the output (8e-3); against the float matmul, the
+    quantization error itself, about 1e-2 relative (norm) for Gaussian data: 2.5e-2."""
+    torch.manual_seed(rows + k + n)
+    x = torch.randn(rows, k).to(dtype)
+    w = (torch.randn(n, k) * 0.05).to(dtype)
+    b = torch.randn(n).to(dtype)
+    y = Int8Linear(w, None, ops)(x, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    qx, sx = _reference_rows(x)
+    qw, sw = quantize_weight(w)
+    exact = (qx.double() @ qw.double().T) * sx.double()[:, None] * sw.double()[None, :]
+    exact += b.double()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < tol
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2.5e-2
+
+
+def test_quantize_weight_is_per_output_channel():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [100.0, 1.0, -50.0]])
+    q, s = quantize_weight(w)
+    assert s.tolist() == pytest.approx([2 / 127, 1.0, 100 / 127])
+    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [0, 0, 0]
+    assert q[2].tolist() == [127, 1, -64]
+
+
+def test_unsupported_settings_are_refused_at_start():
+    from subway.tools.cli import main
+
+    assert unsupported_reason(EngineConfig.build(quantization="int8", device="cuda"))
+    assert unsupported_reason(EngineConfig.build(quantization="int8", cpu_ext=False))
+    assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
+    with pytest.raises(SystemExit, match="CPU-only"):
+        main(["serve", "--quantization", "int8", "--device", "cuda"])
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        main(["serve", "--quantization", "int4"])
+
+
+TEXTS = (
+    "The harbour was quiet at dawn. Fishing boats rocked on the grey water, and the gulls",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The capital of France is Paris. The capital of Germany is",
+    "Photosynthesis is the process by which green plants",
+    "List three prime numbers: 2, 3,",
+)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    return [tok(t)["input_ids"] for t in TEXTS]
+
+
+def _agreement(scorer: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The share of generated tokens that `scorer` picks greedily after the same prefix:
+    one teacher-forced pass (prompt logprobs) over each prompt and its output."""
+    top = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    forced = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    agree = total = 0
+    for p, out, scored in zip(prompts, outputs, scorer.generate(forced, top), strict=True):
+        # prompt_top_ids[j][0]: the scorer's choice for token j + 1 of the forced sequence.
+        picks = [t[0] for t in scored.prompt_top_ids[len(p) - 1 :]]
+        agree += sum(a == b for a, b in zip(picks, out, strict=True))
+        total += len(out)
+    return agree / total
+
+
+AGREEMENT = 0.85  # measured 0.925 (bfloat16) and 0.915 (float32) at this test's commit
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_greedy_output_agrees_with_unquantized_batched_chunked_preempted(
+    default_model, prompts, dtype
+):
+    """The int8 engine decodes all prompts at once, in chunks of 16 prompt tokens, in a KV
+    pool small enough to preempt; the unquantized model, fed the same tokens, would have
+    picked at least AGREEMENT of them. (Free-running outputs are no measure: one near-tie
+    flipped early and two greedy continuations part for good.)"""
+    torch.set_num_threads(2)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    q8 = LLM(
+        path=default_model, dtype=dtype, quantization="int8",
+        max_num_batched_tokens=16, num_kv_blocks=24, block_size=4,
+    )  # fmt: skip
+    outs = [o.token_ids for o in q8.generate(prompts, sp)]
+    assert q8.scheduler.engine_stats().num_preempted_total > 0
+    assert all(len(o) == 40 for o in outs)
+    rate = _agreement(LLM(path=default_model, dtype=dtype), prompts, outs)
+    print(f"{dtype}: agreement {rate:.3f}")
+    assert rate >= AGREEMENT
