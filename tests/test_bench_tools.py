@@ -368,6 +368,31 @@ def test_bench_linear_prints_both_paths(capsys) -> None:
     assert row.startswith("| 2 |") and plain > 0 and packed > 0
 
 
+# ---------------------------------------------------------------- lm-eval task
+
+
+def test_lm_eval_task_data() -> None:
+    """The last-word task: generation is deterministic; the committed rows are well formed."""
+    from subway.tools.bench import bench_lm_eval as b
+
+    prose = (
+        "The interpreter reads each line of the program and executes the statements in order. "
+        "A name refers to an object that was bound earlier in the same block of code.\n\n"
+        "    code = 'skipped because it is indented'\n"
+    )
+    rows = b.make_examples({"t": prose})
+    assert rows == b.make_examples({"t": prose}) and len(rows) == 2
+    assert rows[1]["context"].startswith("The interpreter") and rows[1]["context"].endswith("of")
+    assert rows[1]["choices"][rows[1]["label"]] == "code"
+    committed = [json.loads(line) for line in b.DATA.read_text().splitlines()]
+    assert len(committed) > 500 and [r["id"] for r in committed] == list(range(len(committed)))
+    for r in committed:
+        assert len({c.lower() for c in r["choices"]}) == b.N_CHOICES and 0 <= r["label"] < 4
+    base = {"per_doc": {0: {"acc": 1.0}, 1: {"acc": 0.0}, 2: {"acc": 1.0}}}
+    other = {"per_doc": {0: {"acc": 1.0}, 1: {"acc": 1.0}, 2: {"acc": 0.0}}}
+    assert b.paired(base, other, "acc")[0] == 0.0 and b.paired(base, other, "acc")[2] == 2
+
+
 # ---------------------------------------------------------------- soak and chaos
 
 
