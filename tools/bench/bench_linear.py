@@ -1,4 +1,5 @@
-"""Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU.
+"""Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
+and int8 (`--quantization int8`: `worker.quant.Int8Linear`, activations quantized per row).
 
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from subway.worker.layers import linear, pack_weight
+from subway.worker.quant import Int8Linear, int8_ops
 
 SHAPES = [(832, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -31,8 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, a.dtype)
     layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
     packed = [[pack_weight(w, 64) for w in ws] for ws in layers]
-    print(f"| batch | plain F.linear ms | packed ms | speed-up |  ({a.dtype}, {a.threads} threads)")
-    print("|---:|---:|---:|---:|")
+    ops = int8_ops()
+    int8 = [[Int8Linear(w, None, ops) for w in ws] for ws in layers]
+    print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
+          f"  ({a.dtype}, {a.threads} threads)")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
     for b in (int(x) for x in a.batches.split(",")):
         xs = {i: torch.randn(b, i, dtype=dtype) for _, i in SHAPES}
 
@@ -46,14 +51,23 @@ def main(argv: list[str] | None = None) -> None:
                 for w, pw in zip(ws, ps, strict=True):
                     linear(xs[w.shape[1]], w, None, pw)
 
+        def q8(xs: dict[int, torch.Tensor] = xs) -> None:
+            for ws, qs in zip(layers, int8, strict=True):
+                for w, q in zip(ws, qs, strict=True):
+                    q(xs[w.shape[1]])
+
         ms = []
-        for fn in (plain, pk):
+        for fn in (plain, pk, q8):
             fn()
             t = time.perf_counter()
             for _ in range(5):
                 fn()
             ms.append((time.perf_counter() - t) / 5 * 1e3)
-        print(f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x |", flush=True)
+        print(
+            f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.1f} "
+            f"| {ms[1] / ms[2]:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from subway.ipc.messages import NewSeq, Plan, SamplingParams, SeqStep, TokenRef
 from subway.worker.runner import ModelRunner
 
 GROUPS = {
-    "linear (matmuls)": ("linear",),
+    "linear (matmuls)": ("linear", "qlinear_pointwise"),
+    "int8 activations (quantize, rescale)": ("quantize_rows", "rescale_rows_"),
     "attention": ("paged_decode", "scaled_dot_product_attention", "paged_attention"),
     "sampling": ("argmax", "sampler", "softmax", "log_softmax", "topk"),
 }
@@ -36,13 +37,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--quantization", default="none", choices=("none", "int8"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
     torch.set_num_threads(a.threads)
     B, C, bs = a.batch, a.context, 16
     per_seq = C // bs + 2
-    cfg = EngineConfig.build(path=ensure_default_model(), dtype=a.dtype, num_kv_blocks=B * per_seq)
+    cfg = EngineConfig.build(
+        path=ensure_default_model(),
+        dtype=a.dtype,
+        num_kv_blocks=B * per_seq,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+    )
     runner = ModelRunner(cfg)
     greedy = SamplingParams(temperature=0.0)
     for i in range(B):
@@ -78,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
                 shares[group] += tt
                 break
     shares["other (Python, norms, rope, input prep)"] = total - sum(shares.values())
-    print(f"{a.dtype} decode, batch {B}, context {C + 1}, {a.threads} threads:")
+    print(
+        f"{a.dtype} ({a.quantization} weights, {a.kv_cache_dtype} KV) decode, batch {B}, context {C + 1}, {a.threads} threads:"
+    )
     print(f"  step {1e3 * step:.1f} ms (median of {a.steps}) -> {B / step:.0f} tokens/s")
     print("| part | ms per step | share |")
     print("|---|---|---|")
