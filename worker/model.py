@@ -214,9 +214,11 @@ class CausalLM(nn.Module):
     lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
     lm_head_int8: Int8Linear | None = None
 
-    def quantize_int8(self, ops: object, lm_head: bool = True) -> None:
+    def quantize_int8(self, ops: object, lm_head: bool = False) -> None:
         """`--quantization int8` (worker/quant.py), after loading: every linear layer's
-        weight, and the lm_head's when `lm_head` (the embeddings stay as they are)."""
+        weight, and the lm_head's when `lm_head` (the embeddings stay as they are). The
+        lm_head stays in the model's dtype by default: in int8 it added 0.9% to the
+        default model's perplexity (docs/BENCHMARKS.md), past the 3% budget."""
         for m in self.modules():
             if isinstance(m, PackedLinear):
                 m.quantize(ops)
