@@ -8,8 +8,9 @@ a free port, stopped after), and lm-eval's `local-completions` model scores the 
 
 The task (tools/bench/lm_eval_tasks/): a sentence of Python's reference documentation
 (the one before it in its paragraph as context, when there is one) without its last word,
-and four choices: the true last word and three last words of other sentences. Chance is
-25%. The data is committed; `--make-data` regenerates it from this Python's
+and four choices: the true last word and three distractors, words of the context first
+(the model must know which of the words it just read ends the sentence), then last words
+of other sentences where the context has too few. Chance is 25%. The data is committed; `--make-data` regenerates it from this Python's
 `pydoc_data/topics.py` (deterministic; the committed file came from Python 3.11.7).
 
 It prints per setting: acc and acc_norm with lm-eval's stderr, n, the wall time, and the
