@@ -179,3 +179,26 @@ def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):
     rate = _agreement(LLM(path=path, dtype="float32"), prompts, outs)
     print(f"two ranks: agreement {rate:.3f}")
     assert rate >= TP_AGREEMENT
+
+
+def test_int8_with_speculative_decoding_equals_int8_without(default_model):
+    """Drafts are verified as extra rows of the same int8 matmuls (rows are independent:
+    exact int32 sums, each row's own scale) and one-token rows of decode attention, so in
+    float32 greedy output with drafts is the int8 engine's output without them."""
+    torch.set_num_threads(2)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    text = "The harbour was quiet at dawn. Fishing boats rocked on the grey water."
+    prompts = [
+        tok(f"Text: {text}\\nThe same text, word for word: {text[:30]}")["input_ids"],
+        tok("def fibonacci(n):")["input_ids"],
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    common = dict(path=default_model, dtype="float32", quantization="int8")
+    plain = LLM(**common).generate(prompts, sp)
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    eng = LLM(**common, speculative_config=spec)
+    outs = eng.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert eng.scheduler.engine_stats().spec_accepted_tokens_total >= 10
