@@ -252,3 +252,6 @@ def test_model_arch_parsing():
         parse_model_arch({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="unsupported model_type"):
         parse_model_arch({**base, "model_type": "gpt2"})
+    gptq = {**base, "model_type": "llama", "quantization_config": {"quant_method": "gptq"}}
+    with pytest.raises(ValueError, match=r"quantized beforehand \(gptq\).*--quantization int8"):
+        parse_model_arch(gptq)

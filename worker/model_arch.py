@@ -55,6 +55,13 @@ def load_model_arch(path: str) -> ModelArch:
 
 def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> ModelArch:
     family = _family(cfg)
+    quantized = cfg.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
+        raise ValueError(
+            f"a checkpoint quantized beforehand ({method}): Subway loads float weights; "
+            "give it the unquantized folder, with --quantization int8 to quantize at load"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}: only silu")
