@@ -119,7 +119,7 @@ def _agreement(scorer: LLM, prompts: list[list[int]], outputs: list[list[int]]) 
     return agree / total
 
 
-AGREEMENT = 0.85  # measured 0.925 (bfloat16) and 0.915 (float32) at this test's commit
+AGREEMENT = 0.85  # measured 0.955 (bfloat16), 0.955 (float32), 0.985 (int8 KV), smoothed
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_int8_greedy_output_agrees_with_unquantized_batched_chunked_preempted(
     assert rate >= AGREEMENT
 
 
-TP_AGREEMENT = 0.8  # measured 0.917 at this test's commit
+TP_AGREEMENT = 0.8  # measured 0.906 (smoothed)
 
 
 def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):

@@ -214,16 +214,15 @@ class CausalLM(nn.Module):
     lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
     lm_head_int8: Int8Linear | None = None
 
-    def quantize_int8(self, ops: object, lm_head: bool = False) -> None:
-        """`--quantization int8` (worker/quant.py), after loading: every linear layer's
-        weight, and the lm_head's when `lm_head` (the embeddings stay as they are). The
-        lm_head stays in the model's dtype by default: in int8 it added 0.9% to the
-        default model's perplexity (docs/BENCHMARKS.md), past the 3% budget."""
+    def quantize_int8(self, ops: object, lm_head: torch.Tensor | None = None) -> None:
+        """`--quantization int8` (worker/quant.py), after loading (and smoothing,
+        worker/smooth.py): every linear layer's weight, and `lm_head` (the smoothed copy
+        of the lm_head's weight) when given; the embeddings stay as they are."""
         for m in self.modules():
             if isinstance(m, PackedLinear):
                 m.quantize(ops)
-        if lm_head:
-            self.lm_head_int8 = Int8Linear(self.lm_head, None, ops)
+        if lm_head is not None:
+            self.lm_head_int8 = Int8Linear(lm_head, None, ops)
 
     def pack_weights(self, batch_hint: int, one_row_lm_head: bool = False) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only);

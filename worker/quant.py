@@ -5,7 +5,9 @@ parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
 per row, `Kernels.quantize_rows`), the int8 matmul runs in oneDNN (VNNI or AMX,
 `onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled
-back. Embeddings, norms, attention and the lm_head stay in the model's dtype.
+back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
+activation outliers into the weights first); embeddings, norms and attention stay in
+the model's dtype.
 """
 
 from __future__ import annotations

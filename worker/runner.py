@@ -24,6 +24,7 @@ from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.quant import int8_ops, unsupported_reason
 from subway.worker.sampler import Sampler, SampleRequest, has_penalties
+from subway.worker.smooth import smooth_for_int8
 from subway.worker.speculative import draft_rows, verify
 
 
@@ -108,7 +109,9 @@ class ModelRunner:
         if reason is not None:
             raise ValueError(reason)
         if config.model.quantization == "int8":
-            self.model.quantize_int8(int8_ops())
+            tokenizer = config.model.tokenizer or self.path
+            lm_head = smooth_for_int8(self.model, tokenizer, self.block_size)
+            self.model.quantize_int8(int8_ops(), lm_head)
         if self.device.type == "cpu" and config.model.pack_weights:
             huge = config.model.huge_pages
             self.model.pack_weights(config.scheduler.max_num_seqs, huge)  # layers.pack_weight
