@@ -202,3 +202,26 @@ def test_int8_with_speculative_decoding_equals_int8_without(default_model):
     outs = eng.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert eng.scheduler.engine_stats().spec_accepted_tokens_total >= 10
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_smoothing_leaves_the_float_model_unchanged(tiny_models, arch):
+    """The factors are folded so that the float products are the same: logits after
+    smoothing (and with the smoothed lm_head copy) equal the logits before, in float32,
+    with q/k/v biases (Qwen2), q/k norms (Qwen3) and grouped KV heads."""
+    from subway.worker.smooth import CALIBRATION_TEXT, input_ranges, smooth
+
+    torch.set_num_threads(1)
+    eng = LLM(path=tiny_models[arch], dtype="float32", pack_weights=False)
+    model = eng.runner.model
+    ids = eng.tokenizer(CALIBRATION_TEXT)["input_ids"][:40]
+    ranges = input_ranges(model, ids, eng.runner.block_size)
+    assert {"lm_head"} < set(ranges) and all(r.min() >= 0 for r in ranges.values())
+    prompt = [5, 17, 300, 42, 7, 99]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    before = eng.generate([prompt], sp)[0].prompt_logprobs
+    lm_head = smooth(model, ranges)
+    assert not torch.equal(lm_head, model.lm_head)  # it did scale something
+    model.lm_head_int8 = lambda h: torch.nn.functional.linear(h, lm_head)
+    after = eng.generate([prompt], sp)[0].prompt_logprobs
+    assert after == pytest.approx(before, abs=1e-4)
