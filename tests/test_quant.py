@@ -225,3 +225,21 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny_models, arch):
     model.lm_head_int8 = lambda h: torch.nn.functional.linear(h, lm_head)
     after = eng.generate([prompt], sp)[0].prompt_logprobs
     assert after == pytest.approx(before, abs=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_int8_with_the_prefix_cache(default_model, prompts, kv):
+    """Requests that share a long prefix, served one after another: the later ones read the
+    first one's cached (int8, with `kv`) blocks, and their tokens still agree with the
+    unquantized model's choices, teacher-forced, on AGREEMENT of them."""
+    torch.set_num_threads(2)
+    shared = prompts[0] + prompts[3] + prompts[2]  # over two 16-token blocks
+    tails = [shared + p for p in prompts[1:]]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    q8 = LLM(path=default_model, dtype="bfloat16", quantization="int8", kv_cache_dtype=kv)
+    outs = [q8.generate([t], sp)[0].token_ids for t in tails]
+    stats = q8.scheduler.engine_stats()
+    assert stats.prefix_cache_hits_total >= 3 * 32
+    rate = _agreement(LLM(path=default_model, dtype="bfloat16"), tails, outs)
+    print(f"prefix cache, {kv} KV: agreement {rate:.3f}")
+    assert rate >= AGREEMENT
