@@ -14,7 +14,7 @@ produces the input, so nothing is added to a step:
 - the lm_head: into the final norm's weight, with a smoothed copy of the lm_head (the
   embeddings keep theirs).
 
-Measured on the default model (docs/BENCHMARKS.md): perplexity +1.9% with the lm_head in
+Measured on the default model (docs/BENCHMARKS.md): perplexity +1.5% with the lm_head in
 int8 too, against +3.4% without smoothing. Under tensor parallelism every rank runs the
 calibration pass together (the same tokens) and smooths its own shards.
 """
