@@ -56,7 +56,7 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
     x = torch.randn(rows, k).to(dtype)
     w = (torch.randn(n, k) * 0.05).to(dtype)
     b = torch.randn(n).to(dtype)
-    y = Int8Linear(w, None, ops)(x, b)
+    y = Int8Linear(w, ops)(x, b)
     assert y.dtype == dtype and y.shape == (rows, n)
     qx, sx = _reference_rows(x)
     qw, sw = quantize_weight(w)

@@ -83,7 +83,7 @@ class PackedLinear(nn.Module):
 
     def quantize(self, ops: object) -> None:
         """Replace the weight by its int8 copy (worker/quant.py), freeing the float one."""
-        self.int8 = Int8Linear(self.weight, None, ops)
+        self.int8 = Int8Linear(self.weight, ops)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.packed, self.small = None, None
 

@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
             if isinstance(m, PackedLinear):
                 m.quantize(ops)
         if lm_head is not None:
-            self.lm_head_int8 = Int8Linear(lm_head, None, ops)
+            self.lm_head_int8 = Int8Linear(lm_head, ops)
 
     def pack_weights(self, batch_hint: int, one_row_lm_head: bool = False) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only);

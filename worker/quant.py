@@ -56,19 +56,18 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear:
     """One linear layer's int8 weight, prepacked for oneDNN, and the call that uses it.
 
-    `__call__(x [rows, in]) -> [rows, out]` in x's dtype: x quantized per row
+    `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
     (`quantize_rows`), the int8 matmul with the weight's per-channel scales folded in
     (oneDNN, output in x's dtype), then each row times its own scale and plus the bias
     (`rescale_rows_`, in place).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: object) -> None:
+    def __init__(self, weight: torch.Tensor, ops: object) -> None:
         q, scales = quantize_weight(weight)
         self.out_features, self.in_features = q.shape
         self.scales = scales
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
-        self.bias = None if bias is None else bias.detach().clone()
         self._quantize = ops.quantize_rows
         self._rescale = ops.rescale_rows_
         self._matmul = torch.ops.onednn.qlinear_pointwise

@@ -86,11 +86,15 @@ def input_ranges(model: nn.Module, ids: list[int], block_size: int) -> dict[obje
     return ranges
 
 
-def factors(x_range: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def factors(x_range: torch.Tensor, w_range: torch.Tensor) -> torch.Tensor:
     """s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha), kept within [1e-2, 1e2]."""
-    w_range = weight.detach().float().abs().amax(0).clamp(min=1e-5)
-    s = x_range.clamp(min=1e-5) ** ALPHA / w_range ** (1 - ALPHA)
+    s = x_range.clamp(min=1e-5) ** ALPHA / w_range.clamp(min=1e-5) ** (1 - ALPHA)
     return s.clamp(1e-2, 1e2)
+
+
+def column_ranges(weight: torch.Tensor) -> torch.Tensor:
+    """max |W_:,j| of `weight [out, in]`, per input channel j."""
+    return weight.detach().float().abs().amax(0)
 
 
 def _scale(t: torch.Tensor, by: torch.Tensor) -> None:
@@ -104,14 +108,14 @@ def smooth(model: nn.Module, ranges: dict[object, torch.Tensor]) -> torch.Tensor
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv
-        s = factors(ranges[qkv], qkv.weight)
+        s = factors(ranges[qkv], column_ranges(qkv.weight))
         _scale(qkv.weight, s[None, :])
         _scale(layer.input_layernorm.weight, 1 / s)
-        s = factors(ranges[mlp.gate_up], mlp.gate_up.weight)
+        s = factors(ranges[mlp.gate_up], column_ranges(mlp.gate_up.weight))
         _scale(mlp.gate_up.weight, s[None, :])
         _scale(layer.post_attention_layernorm.weight, 1 / s)
         down, inner = mlp.down_proj, mlp.down_proj.weight.shape[1]
-        s = factors(ranges[down], down.weight)
+        s = factors(ranges[down], column_ranges(down.weight))
         _scale(down.weight, s[None, :])
         _scale(mlp.gate_up.weight[inner:], 1 / s[:, None])
         if mlp.gate_up.bias is not None:
@@ -120,14 +124,13 @@ def smooth(model: nn.Module, ranges: dict[object, torch.Tensor]) -> torch.Tensor
         kv, d = qkv.num_kv_heads, qkv.head_dim
         group = qkv.num_heads // kv
         x = ranges[attn.o_proj].view(kv, group, d).amax(1)
-        w = attn.o_proj.weight.detach().float().abs().amax(0).view(kv, group, d).amax(1)
-        s = (x.clamp(min=1e-5) ** ALPHA / w.clamp(min=1e-5) ** (1 - ALPHA)).clamp(1e-2, 1e2)
+        s = factors(x, column_ranges(attn.o_proj.weight).view(kv, group, d).amax(1))
         _scale(attn.o_proj.weight, s[:, None, :].expand(kv, group, d).reshape(1, -1))
         v = slice(qkv.q_size + qkv.kv_size, qkv.q_size + 2 * qkv.kv_size)
         _scale(qkv.weight[v], 1 / s.reshape(-1, 1))
         if qkv.bias is not None:
             _scale(qkv.bias[v], 1 / s.reshape(-1))
-    s = factors(ranges["lm_head"], model.lm_head)
+    s = factors(ranges["lm_head"], column_ranges(model.lm_head))
     _scale(model.norm.weight, 1 / s)
     return (model.lm_head.detach().float() * s[None, :]).to(model.lm_head.dtype)
 

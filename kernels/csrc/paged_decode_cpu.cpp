@@ -318,16 +318,18 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::T
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
                            double scale, bool generic) {
-  if (k_cache.scalar_type() == torch::kInt8)
-    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, scale, generic);
+  // What every cache layout needs; the layout's own checks follow in its kernel's entry.
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens must be int32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_decode: cache shapes differ");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  if (k_cache.scalar_type() == torch::kInt8)
+    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, scale, generic);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode: head shapes do not match");

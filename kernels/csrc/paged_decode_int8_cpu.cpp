@@ -230,20 +230,13 @@ static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const 
   decode_int8_generic<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale);
 }
 
-// Called by paged_decode (paged_decode_cpu.cpp) for an int8 cache.
+// Called by paged_decode (paged_decode_cpu.cpp) for an int8 cache, after the checks every
+// layout shares (ranks, int32 tables, contiguous caches of one shape): the int8 ones here.
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
                                 double scale, bool generic) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(k_cache.scalar_type() == torch::kInt8 && v_cache.scalar_type() == torch::kInt8,
               "paged_decode: an 8-bit cache is int8, keys and values");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens must be int32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_decode: cache shapes differ");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D + kScaleBytes,

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
     packed = [[pack_weight(w, 64) for w in ws] for ws in layers]
     ops = int8_ops()
-    int8 = [[Int8Linear(w, None, ops) for w in ws] for ws in layers]
+    int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
     print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
           f"  ({a.dtype}, {a.threads} threads)")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|")
