@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from subway.frontend.router import Route
 from subway.ipc.messages import EngineStats
 
 LATENCY_BUCKETS = (
@@ -64,40 +65,52 @@ class _EngineCollector:
     """The engine's figures at scrape time, from the latest EngineStats (zeros before any),
     and the messages refused anywhere on the internal plane and at the ZMQ endpoint."""
 
-    def __init__(self, model_name: str, rejected_here: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, rejected_here: Callable[[], int], num_engines: int) -> None:
         self.model_name = model_name
-        self.stats = EngineStats()
+        self.stats = [EngineStats() for _ in range(num_engines)]
         self.rejected_here = rejected_here
 
     def collect(self) -> Iterator[Metric]:
-        s, labels = self.stats, [self.model_name]
+        """One series per engine, labelled `engine`; the frontend's own refusals (its links
+        and its ZMQ endpoint) are counted in engine 0's."""
+        label_names = ["model_name", "engine"]
+        per_engine = [([self.model_name, str(i)], s) for i, s in enumerate(self.stats)]
         for name, doc, value in ENGINE_GAUGES:
-            g = GaugeMetricFamily(f"subway:{name}", doc, labels=["model_name"])
-            g.add_metric(labels, value(s))
+            g = GaugeMetricFamily(f"subway:{name}", doc, labels=label_names)
+            for labels, s in per_engine:
+                g.add_metric(labels, value(s))
             yield g
         for name, doc, value in ENGINE_COUNTERS:
-            c = CounterMetricFamily(f"subway:{name}", doc, labels=["model_name"])
-            c.add_metric(labels, value(s))
+            c = CounterMetricFamily(f"subway:{name}", doc, labels=label_names)
+            for labels, s in per_engine:
+                c.add_metric(labels, value(s))
             yield c
         c = CounterMetricFamily(
             "subway:ipc_rejected_messages",
             "Messages refused as malformed or unexpected: by the scheduler, the workers, "
             "the frontend's link and its native ZMQ endpoint.",
-            labels=["model_name"],
+            labels=label_names,
         )
-        c.add_metric(labels, s.ipc_rejected_total + self.rejected_here())
+        here = self.rejected_here()
+        for i, (labels, s) in enumerate(per_engine):
+            c.add_metric(labels, s.ipc_rejected_total + (here if i == 0 else 0))
         yield c
 
 
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, rejected_here: Callable[[], int] = lambda: 0) -> None:
-        """`rejected_here`: messages this frontend refused (its link, its ZMQ endpoint)."""
+    def __init__(
+        self,
+        model_name: str,
+        rejected_here: Callable[[], int] = lambda: 0,
+        num_engines: int = 1,
+    ) -> None:
+        """`rejected_here`: messages this frontend refused (its links, its ZMQ endpoint)."""
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name
-        self._engine = _EngineCollector(model_name, rejected_here)
+        self._engine = _EngineCollector(model_name, rejected_here, num_engines)
         r.register(self._engine)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -129,6 +142,13 @@ class Metrics:
             "Structured-output grammars compiled by the frontend, by result (cold, cached, error).",
             ("result",),
         )
+        self.routed = counter(
+            "routed_requests",
+            "Engine requests sent to each data-parallel engine, by why: prefix (its cache "
+            "held the prompt's prefix), least_loaded, overloaded (the engine holding the "
+            "prefix was overloaded).",
+            ("engine", "reason"),
+        )
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
             self.queue_time,
@@ -140,9 +160,12 @@ class Metrics:
         for result in ("cold", "cached", "error"):
             self.grammar_compiles.labels(model_name, result)
 
-    def observe_stats(self, s: EngineStats) -> None:
-        """The scheduler's latest figures, exported as they are at the next scrape."""
-        self._engine.stats = s
+    def observe_stats(self, s: EngineStats, engine: int = 0) -> None:
+        """An engine's latest figures, exported as they are at the next scrape."""
+        self._engine.stats[engine] = s
+
+    def observe_route(self, route: Route) -> None:
+        self.routed.labels(self.model_name, str(route.engine), route.reason).inc()
 
     def observe_first_token(self, ttft: float, queue_time: float | None = None) -> None:
         m = self.model_name

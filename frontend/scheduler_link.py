@@ -84,6 +84,10 @@ class SchedulerLink:
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self.on_new_scheduler: Callable[[], None] = lambda: None
+        # The content digests of the engine's prefix cache, as its Deltas report them
+        # (stored, removed, reset): the router's record of this engine (`router.py`).
+        self.on_digests: Callable[[list[int], list[int], bool], None] | None = None
+        self.engine_id = config.parallel.data_parallel_rank
 
     @property
     def num_rejected(self) -> int:
@@ -161,7 +165,21 @@ class SchedulerLink:
             self.on_deltas(msg.deltas)
             if msg.stats is not None:
                 self.stats = msg.stats
+            if self.on_digests is not None and (
+                msg.cache_stored or msg.cache_removed or msg.cache_reset
+            ):
+                self.on_digests(msg.cache_stored, msg.cache_removed, msg.cache_reset)
         elif isinstance(msg, EngineReady):
+            if msg.engine_id != self.engine_id:
+                # Another engine's scheduler at this engine's address: a misconfiguration
+                # that would cross the two engines' requests. Refused, counted, never served.
+                self.rejected += 1
+                self.error = (
+                    f"engine {msg.engine_id}'s scheduler answered at engine {self.engine_id}'s "
+                    "address"
+                )
+                log.error("refused: %s", self.error)
+                return
             if self.info is not None and (self.info.pid, self.info.host) != (msg.pid, msg.host):
                 self.on_new_scheduler()
             self.info = msg

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from subway import __version__
 from subway.frontend.chat import chat_prompt
 from subway.frontend.engine_client import EngineClient
+from subway.frontend.engine_group import EngineGroup
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
 from subway.frontend.inputs import check_model, check_token_ids, encode, parse
@@ -61,17 +62,22 @@ def load_tokenizer(config: EngineConfig):
 
 def build_app(
     config: EngineConfig,
-    engine: EngineClient,
+    engine: EngineClient | EngineGroup,
     tokenizer=None,
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> FastAPI:
-    """The HTTP app. `tokenizer` defaults to the one `config` names."""
+    """The HTTP app over one engine's client or a group of engines (data parallel).
+    `tokenizer` defaults to the one `config` names."""
+    group = engine if isinstance(engine, EngineGroup) else None
     metrics = Metrics(
         config.model.served_model_name,
         lambda: engine.link.num_rejected + (endpoint.rejected if endpoint is not None else 0),
+        num_engines=len(group.clients) if group is not None else 1,
     )
+    if group is not None:
+        group.on_route = metrics.observe_route
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
     ctx = ServingContext(config, engine, tok, metrics)
     address = config.client_address
@@ -120,6 +126,15 @@ def build_app(
         link = engine.link
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if group is not None and len(group.clients) > 1:
+            serving, states = group.health()
+            if serving:
+                whole = all(s["state"] == "serving" for s in states)
+                body = {"status": "ok" if whole else "degraded", "engines": states}
+                return JSONResponse(body, status_code=200)
+            reason = "; ".join(f"engine {s['engine']}: {s['state']}" for s in states)
+            body = {"status": "unhealthy", "reason": reason, "engines": states}
+            return JSONResponse(body, status_code=503)
         if link.healthy:
             return Response(status_code=200)
         reason = link.error or ("engine not ready" if not link.ready else "engine silent")
@@ -127,7 +142,11 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        if engine.link.stats is not None:
+        if group is not None:
+            for i, c in enumerate(group.clients):
+                if c.link.stats is not None:
+                    metrics.observe_stats(c.link.stats, engine=i)
+        elif engine.link.stats is not None:
             metrics.observe_stats(engine.link.stats)
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -185,7 +204,7 @@ def run_frontend(config: EngineConfig) -> int:
     """The frontend process: serve until SIGTERM/SIGINT (graceful), then clean up. Returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = load_tokenizer(config)
-    engine = EngineClient(config)
+    engine = EngineGroup(config)
     app = build_app(config, engine, tokenizer)
     server = DrainingServer(
         engine,
@@ -227,7 +246,9 @@ class DrainingServer(uvicorn.Server):
     server stops. A second SIGINT stops it at once; a second SIGTERM changes nothing (the
     launcher and systemd may both send one)."""
 
-    def __init__(self, engine: EngineClient, drain_timeout: float, config: uvicorn.Config) -> None:
+    def __init__(
+        self, engine: EngineClient | EngineGroup, drain_timeout: float, config: uvicorn.Config
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout

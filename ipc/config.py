@@ -110,6 +110,15 @@ class ParallelConfig:
     collective_timeout: float = opt(
         300.0, "seconds a tensor-parallel collective may wait for the other ranks"
     )
+    data_parallel_size: int = opt(1, "complete engines (a scheduler and its tensor-parallel "
+                                  "workers each) behind one frontend", alias="-dp")  # fmt: skip
+    data_parallel_rank: int = opt(0, "which engine this process belongs to (processes started "
+                                  "one by one)", alias="--engine-id")  # fmt: skip
+    engine_addrs: str = opt(
+        "",
+        "frontend: each engine's scheduler address, comma-separated, as the engines bind "
+        "them (engines on other hosts); default: derived as for one host (engine_config)",
+    )
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,10 @@ class EngineConfig:
             self, **{p: dataclasses.replace(getattr(self, p), **c) for p, c in changes.items()}
         )
 
+    def engine(self, i: int) -> EngineConfig:
+        """Engine `i`'s config (`engine_config`)."""
+        return engine_config(self, i)
+
     @property
     def client_address(self) -> str | None:
         """The frontend's native ZMQ endpoint, None when it is "off"."""
@@ -249,3 +262,50 @@ def _owner(name: str) -> str:
     if owner is None:
         raise TypeError(f"EngineConfig has no field {name!r}")
     return owner
+
+
+ADDRESS_NAMES = ("scheduler", "frontend", "plan", "result")
+
+
+def engine_config(config: EngineConfig, i: int) -> EngineConfig:
+    """The config of engine `i` of `config.parallel.data_parallel_size`, as each of its
+    processes and the frontend derive it alike: engine 0's is `config` itself (so one
+    engine is configured exactly as before); engine i > 0 gets the run id `RUN-i` (its
+    shared memory), socket files `NAME-i.sock` in the same run folder, and, for addresses
+    given as tcp://HOST:PORT (and the rendezvous HOST:PORT), the port plus i. On the
+    frontend, `engine_addrs` names engine i's scheduler address as given, unchanged.
+    """
+    n = config.parallel.data_parallel_size
+    if not 0 <= i < max(n, 1):
+        raise ValueError(f"engine {i} of {n}: out of range")
+    listed = [a.strip() for a in config.parallel.engine_addrs.split(",") if a.strip()]
+    if listed and len(listed) != n:
+        raise ValueError(f"--engine-addrs names {len(listed)} engines; --data-parallel-size is {n}")
+    if i == 0 and not listed:
+        return config.replace(data_parallel_rank=0)
+    ipc = config.ipc
+    addrs = {f"{name}_addr": _shifted(getattr(ipc, f"{name}_addr"), ipc.run_dir, name, i)
+             for name in ADDRESS_NAMES}  # fmt: skip
+    if listed:
+        addrs["scheduler_addr"] = listed[i]
+    run_id = ipc.run_id if i == 0 else f"{ipc.run_id}-{i}"
+    host, _, port = config.parallel.dist_init_addr.rpartition(":")
+    return config.replace(
+        run_id=run_id,
+        data_parallel_rank=i,
+        dist_init_addr=f"{host}:{int(port) + i}",
+        **addrs,
+    )
+
+
+def _shifted(addr: str, run_dir: str, name: str, i: int) -> str:
+    if i == 0:
+        return addr
+    if addr == f"ipc://{run_dir}/{name}.sock":
+        return f"ipc://{run_dir}/{name}-{i}.sock"
+    if addr.startswith("tcp://"):
+        host, _, port = addr[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:{int(port) + i}"
+    if addr.startswith("ipc://") and addr.endswith(".sock"):
+        return f"{addr[: -len('.sock')]}-{i}.sock"
+    return f"{addr}-{i}"

@@ -252,6 +252,7 @@ class EngineReady(msgspec.Struct, tag="engine_ready"):
     eos_token_ids: list[int]
     pid: int = 0  # the scheduler's, with `host`: how the frontend judges its death
     host: str = ""
+    engine_id: int = 0  # its data-parallel rank: a frontend refuses an engine it did not expect
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -300,8 +301,15 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):
+    """A turn's deltas, the engine's stats, and (with several engines) the content digests
+    (`ipc/prefix.py`) its prefix cache gained and lost since the last; `cache_reset`: the
+    digests are the whole cache (sent to a frontend that says hello)."""
+
     deltas: list[RequestDelta]
     stats: EngineStats | None = None
+    cache_stored: list[int] = []
+    cache_removed: list[int] = []
+    cache_reset: bool = False
 
 
 class EngineError(msgspec.Struct, tag="engine_error"):

@@ -35,6 +35,8 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
+from subway.ipc.prefix import chain_digest
+
 _key_hash = hash  # of (parent node, tokens); a module global so that tests can force collisions
 
 TOKEN_TYPE = "i"  # token ids are int32 arrays (the garbage collector does not walk arrays)
@@ -56,7 +58,15 @@ def token_bytes(prompt: Sequence[int], output: Sequence[int], a: int, b: int) ->
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        track_digests: bool = False,
+    ) -> None:
+        """`track_digests`: keep each cached block's content digest (`ipc/prefix.py`) and
+        list those stored and removed (`take_digest_events`), for prefix-aware routing."""
         if num_blocks < 0 or block_size <= 0:
             raise ValueError(f"bad pool: {num_blocks} blocks of {block_size}")
         self.num_blocks = num_blocks
@@ -90,6 +100,14 @@ class BlockManager:
         # Per sequence: (blocks of its table already keyed or found keyed, node of the last).
         self._keyed: dict[int, tuple[int, int]] = {}
         self.num_evictions = 0
+        self.track_digests = track_digests
+        self._digest = array("q", [0]) * num_blocks  # of each cached block, when tracked
+        self._last_digest: dict[int, int] = {}  # per sequence: the digest of its last keyed block
+        # How many cached blocks carry each digest (two can, when a prefix was computed again
+        # after its parent's eviction), and the digests whose presence changed since the
+        # last take: an engine reports a digest while at least one block carries it.
+        self._digest_count: dict[int, int] = {}
+        self._digest_changed: set[int] = set()
 
     # ------------------------------------------------------------ counts
 
@@ -203,6 +221,8 @@ class BlockManager:
             stamps[b] = 0
             del cache[keys[b]]
             tokens[b] = None
+            if self.track_digests:
+                self._count_digest(self._digest[b], -1)
             free.append(b)
         self._num_evictable -= n
         self.num_evictions += n
@@ -218,6 +238,7 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         self.claimed.pop(seq_id, None)
         self._keyed.pop(seq_id, None)
+        self._last_digest.pop(seq_id, None)
         if not table:
             return 0
         ref = self._ref
@@ -286,6 +307,8 @@ class BlockManager:
         self.claimed[seq_id] = len(hits) * self.block_size
         if hits:
             self._keyed[seq_id] = (len(hits), self._node[hits[-1]])
+            if self.track_digests:
+                self._last_digest[seq_id] = self._digest[hits[-1]]
         self.allocate(seq_id, num_new_tokens)
         return list(self._tables[seq_id])
 
@@ -311,8 +334,12 @@ class BlockManager:
         parents, tokens = self._parent, self._tokens
         size = bs * TOKEN_BYTES
         data = token_bytes(prompt, output, count * bs, end * bs)
+        track = self.track_digests
+        digest = self._last_digest.get(seq_id, 0) if track else 0
         for a in range(0, len(data), size):
             toks = data[a : a + size]
+            if track:
+                digest = chain_digest(digest, toks)
             h = _key_hash((node, toks))
             b = cache.get(h)
             if b is None:
@@ -325,6 +352,9 @@ class BlockManager:
                 parents[b] = node
                 nodes[b] = node = self._next_node
                 self._next_node += 1
+                if track:
+                    self._digest[b] = digest
+                    self._count_digest(digest, 1)
             elif parents[b] == node and tokens[b] == toks:
                 node = nodes[b]  # computed twice: the cached copy carries the chain
             else:  # a hash collision: leave this one uncached, on a chain of its own
@@ -332,4 +362,28 @@ class BlockManager:
                 self._next_node += 1
             count += 1
         self._keyed[seq_id] = (count, node)
+        if track:
+            self._last_digest[seq_id] = digest
         return (count + 1) * bs
+
+    def _count_digest(self, digest: int, delta: int) -> None:
+        counts = self._digest_count
+        n = counts.get(digest, 0) + delta
+        if n:
+            counts[digest] = n
+        else:
+            del counts[digest]
+        if n == 0 or (n == 1 and delta == 1):
+            self._digest_changed ^= {digest}  # twice in one window: no change to report
+
+    def take_digest_events(self) -> tuple[list[int], list[int]]:
+        """The digests this engine's prefix cache gained, and lost, since the last call
+        (with `track_digests`)."""
+        changed, self._digest_changed = self._digest_changed, set()
+        counts = self._digest_count
+        stored = [d for d in changed if d in counts]
+        return stored, [d for d in changed if d not in counts]
+
+    def cached_digests(self) -> list[int]:
+        """Every digest the prefix cache holds now (a full report, for a new frontend)."""
+        return list(self._digest_count)

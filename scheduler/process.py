@@ -117,6 +117,7 @@ class SchedulerLoop:
         self.stop = False  # stop now
         self.drain_since: float | None = None  # SIGTERM came: drain, then stop
         self.exit_code: int | None = None
+        self.digests_reset = False  # owe the frontend a full report of the cached digests
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
         """First signal: drain. A second SIGINT: stop now (a second SIGTERM changes nothing:
@@ -220,7 +221,14 @@ class SchedulerLoop:
             assert sched is not None
             rejected = self.refusals.count + self.workers.num_rejected + self.socks.denied
             sched.stats.ipc_rejected_total = rejected
-            self._send_frontend(Deltas(deltas, sched.engine_stats()))
+            msg = Deltas(deltas, sched.engine_stats())
+            blocks = sched.block_manager
+            if blocks.track_digests:
+                msg.cache_stored, msg.cache_removed = blocks.take_digest_events()
+                if self.digests_reset:
+                    msg.cache_stored, msg.cache_reset = blocks.cached_digests(), True
+                    self.digests_reset = False
+            self._send_frontend(msg)
 
     def _maybe_log(self) -> None:
         """One line of engine statistics every LOG_INTERVAL_S, while anything happens."""
@@ -280,6 +288,8 @@ class SchedulerLoop:
             self.workers.use_prompts(name)
         if self.ready_msg is not None:
             self._send_frontend(self.ready_msg)
+        self.digests_reset = True  # the next Deltas carries every cached digest
+        self.last_out_at = 0.0  # and goes at once
 
     def _apply(self, msg: AddRequest | AbortRequest) -> None:
         sched = self.sched
@@ -332,6 +342,7 @@ class SchedulerLoop:
             eos_token_ids=list(rank0.eos_token_ids),
             pid=os.getpid(),
             host=this_host(),
+            engine_id=config.parallel.data_parallel_rank,
         )
         log.info("engine ready: %s", self.ready_msg)
         self._send_frontend(self.ready_msg)

@@ -45,7 +45,12 @@ class Scheduler:
         the same scale as requests' `arrival_time` (the frontend's time.time())."""
         self.config = config
         self.caching = bool(config.cache.enable_prefix_caching)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, self.caching)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.cache.block_size,
+            self.caching,
+            track_digests=self.caching and config.parallel.data_parallel_size > 1,
+        )
         pool = self.block_manager.capacity_tokens
         # A request must fit in the pool alone, or it could never finish.
         self.max_model_len = min(max_model_len, pool) if max_model_len > 0 else pool

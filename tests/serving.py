@@ -14,6 +14,8 @@ import uuid
 import httpx
 import psutil
 
+from subway.tools.proc_title import parse
+
 
 def until(cond, within: float) -> float:
     """Seconds until `cond()` held; fails past `within`."""
@@ -67,7 +69,7 @@ class Server:
 
     def child(self, kind: str) -> psutil.Process:
         for c in self.children():
-            if kind in c.cmdline()[3:5]:
+            if parse(c.cmdline()).get("kind") == kind:
                 return c
         raise LookupError(kind)
 

@@ -47,19 +47,24 @@ def server(tiny_models):
 
 
 def scrape(server) -> dict:
-    """Families by name, and samples by `name{label=value,...}` (model_name left out)."""
+    """Families by name, and samples by `name{label=value,...}` (model_name and the one
+    engine's label left out); `engines`: the engine label of each engine-level sample."""
     text = httpx.get(server.url + "/metrics", timeout=5).text
-    families, samples = {}, {}
+    families, samples, engines = {}, {}, {}
     for family in text_string_to_metric_families(text):
         families[family.name] = family.type
         for s in family.samples:
+            if "engine" in s.labels:
+                engines[s.name] = s.labels["engine"]
             labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le")
+                f"{k}={v}"
+                for k, v in sorted(s.labels.items())
+                if k not in ("model_name", "le", "engine")
             )
             if "le" in s.labels:
                 continue
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return {"families": families, "samples": samples}
+    return {"families": families, "samples": samples, "engines": engines}
 
 
 def value(m: dict, name: str) -> float:
@@ -76,6 +81,8 @@ def test_names_and_types(server):
     for h in HISTOGRAMS:
         assert types[f"subway:{h}"] == "histogram", h
     assert "subway:num_preemptions_total" in m["samples"]
+    assert m["engines"]["subway:num_preemptions_total"] == "0"  # one engine: engine 0
+    assert m["engines"]["subway:kv_cache_usage_perc"] == "0"
     assert "subway:request_success_total{finished_reason=length}" in m["samples"]
     assert "subway:request_success_total{finished_reason=stop}" in m["samples"]
 

@@ -18,6 +18,7 @@ import pytest
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
 from subway.llm import LLM, Output
+from subway.tools.proc_title import parse
 
 from reference import hf_greedy
 from serving import Server, free_port, until
@@ -68,7 +69,7 @@ def test_tensor_parallel_serve_equals_transformers(tiny_models, arch):
 
     s = Server(tiny_models[arch], "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
     try:
-        assert sorted(c.cmdline()[3] for c in s.children()) == [
+        assert sorted(parse(c.cmdline())["kind"] for c in s.children()) == [
             "frontend", "scheduler", "worker", "worker",
         ]  # fmt: skip
         tok = AutoTokenizer.from_pretrained(tiny_models[arch])

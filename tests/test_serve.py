@@ -13,6 +13,8 @@ import openai
 import psutil
 import pytest
 
+from subway.tools.proc_title import parse
+
 from reference import hf_greedy
 from serving import Server
 
@@ -32,7 +34,7 @@ def server(tiny_models):
 
 
 def test_three_processes_serve(server):
-    kinds = sorted(c.cmdline()[3] for c in server.children())
+    kinds = sorted(parse(c.cmdline())["kind"] for c in server.children())
     assert kinds == ["frontend", "scheduler", "worker"]
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]

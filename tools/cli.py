@@ -116,6 +116,15 @@ def check_quantization(config: EngineConfig) -> None:
         raise SystemExit(f"subway: {reason}")
 
 
+def one_engine(config: EngineConfig) -> EngineConfig:
+    """A scheduler or worker started by hand: the config of its engine
+    (`--data-parallel-rank` of `--data-parallel-size`), derived as the frontend derives it."""
+    try:
+        return config.engine(config.parallel.data_parallel_rank)
+    except ValueError as e:
+        raise SystemExit(f"subway: {e} (give --data-parallel-size too)") from None
+
+
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """Fill in the default model (converting it on first use) and the served name."""
     if config.model.path:
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         # engines on one host meet each other's sockets and buffers.
         parser.error(f"{args.command}: give every process of one engine the same --run-id")
     config = config_from_args(args)
+    if args.command in ("scheduler", "worker") and not args.config_json:
+        config = one_engine(config)
     check_speculative(config)
     check_quantization(config)
     if args.command != "serve":
@@ -162,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         from subway.tools.launch import serve
 
         return serve(resolve_model(config), demo=args.demo)
+    from subway.tools.proc_title import set_title
+
+    set_title(args.command, config, args.rank if args.command == "worker" else None)
     if args.command == "frontend":
         from subway.frontend.server import run_frontend
 

@@ -100,6 +100,20 @@ def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
     return removed
 
 
+def remove_engine_leftovers(config: EngineConfig) -> list[str]:
+    """What one lost engine of several leaves: its sampled-token buffer and the sockets its
+    scheduler bound. The frontend, which serves on, keeps its own (its prompt buffer and
+    socket for that engine)."""
+    removed = []
+    path = os.path.join("/dev/shm", config.ipc.sampled_shm_name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+        removed.append(path)
+    ipc = config.ipc
+    cleanup_ipc(ipc.scheduler_addr, ipc.plan_addr, ipc.result_addr)
+    return removed
+
+
 def _health(config: EngineConfig) -> bool:
     return health_reason(config) is None
 
@@ -189,17 +203,28 @@ class HealthWatch:
         return f"the engine has been unhealthy for {failing:.0f} s ({reason})"
 
 
-def own_rendezvous(config: EngineConfig) -> EngineConfig:
+def own_rendezvous(config: EngineConfig, default: bool | None = None) -> EngineConfig:
     """The config with a free rendezvous port of its own when tensor parallel ranks meet at
-    the default address: two engines on one host must never meet at the same one."""
+    the default address (`default`: whether they do, when `config` is one engine's, derived
+    from a config that said): two engines on one host must never meet at the same one."""
     if config.parallel.tensor_parallel_size <= 1:
         return config
-    if config.parallel.dist_init_addr != ParallelConfig().dist_init_addr:
+    if default is None:
+        default = config.parallel.dist_init_addr == ParallelConfig().dist_init_addr
+    if not default:
         return config  # the user's choice
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return config.replace(dist_init_addr=f"127.0.0.1:{port}")
+
+
+def engine_configs(config: EngineConfig) -> list[EngineConfig]:
+    """Each data-parallel engine's config (`EngineConfig.engine`), with a rendezvous of its
+    own where the user named none."""
+    default = config.parallel.dist_init_addr == ParallelConfig().dist_init_addr
+    n = max(1, config.parallel.data_parallel_size)
+    return [own_rendezvous(config.engine(i), default) for i in range(n)]
 
 
 def own_curve_keys(config: EngineConfig) -> tuple[EngineConfig, str | None]:
@@ -220,7 +245,6 @@ def own_curve_keys(config: EngineConfig) -> tuple[EngineConfig, str | None]:
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
-    config = own_rendezvous(config)
     try:
         made_run_dir = secure_dir(config.ipc.run_dir)
     except PermissionError as e:
@@ -235,7 +259,10 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             with contextlib.suppress(OSError):
                 os.rmdir(config.ipc.run_dir)
         return 1
+    engines = engine_configs(config)
+    many = len(engines) > 1
     procs: list[tuple[str, subprocess.Popen]] = []
+    engine_of: dict[str, int] = {}  # process name -> its engine
     stopping = False
 
     def on_signal(signum, frame) -> None:
@@ -246,18 +273,34 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
     code = 0
     try:
         procs.append(("frontend", _spawn("frontend", config)))
-        procs.append(("scheduler", _spawn("scheduler", config)))
-        for rank in range(config.parallel.tensor_parallel_size):
-            procs.append((f"worker {rank}", _spawn("worker", config, "--rank", str(rank))))
+        for i, engine in enumerate(engines):
+            tag = f" (engine {i})" if many else ""
+            names = [f"scheduler{tag}"]
+            procs.append((names[0], _spawn("scheduler", engine)))
+            for rank in range(config.parallel.tensor_parallel_size):
+                names.append(f"worker {rank}{tag}")
+                procs.append((names[-1], _spawn("worker", engine, "--rank", str(rank))))
+            engine_of.update(dict.fromkeys(names, i))
         print(f"subway: loading {config.model.path} ...", flush=True)
         ready = False
         watch = HealthWatch()
+        lost: set[int] = set()  # engines stopped after one of their processes died
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
-            if dead:
-                for name, rc in dead:
+            fatal = [d for d in dead if not many or engine_of.get(d[0]) not in lost]
+            for name, rc in fatal:
+                i = engine_of.get(name)
+                if not many or i is None or len(lost | {i}) == len(engines):
                     print(f"subway: {name} exited with code {rc}; stopping", file=sys.stderr)
-                code = 1
+                    code = 1
+                    break
+                # One engine of several: stop the rest of it; the others serve on.
+                print(f"subway: {name} exited with code {rc}; stopping engine {i}, the "
+                      f"other {len(engines) - len(lost) - 1} serve on", file=sys.stderr)  # fmt: skip
+                lost.add(i)
+                _stop([(n, p) for n, p in procs if engine_of.get(n) == i], drain_timeout=0.0)
+                remove_engine_leftovers(engines[i])
+            if code:
                 break
             if ready and watch.due():
                 failure = watch.check(config)
@@ -285,7 +328,8 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
         if made_key_file is not None:  # only the file this run made, before the folder goes
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(made_key_file)
-        left = remove_leftovers(config, made_run_dir)
+        left = [path for e in engines[1:] for path in remove_leftovers(e, made_run_dir=False)]
+        left += remove_leftovers(config, made_run_dir)
         if left:
             print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
         for s, h in old.items():

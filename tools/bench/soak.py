@@ -46,6 +46,7 @@ import httpx
 import psutil
 
 from subway.tools.bench.bench_serving import parse_prometheus, server_model
+from subway.tools.proc_title import parse as parse_title
 
 GAUGES = (
     "subway:num_requests_running",
@@ -179,10 +180,10 @@ def engine_processes(serve_pid: int) -> dict[str, psutil.Process]:
             cmd = c.cmdline()
         except psutil.Error:
             continue
-        kind = cmd[3] if len(cmd) > 3 else "?"
+        what = parse_title(cmd)
+        kind = what.get("kind", "?")
         if kind == "worker":
-            rank = cmd[cmd.index("--rank") + 1] if "--rank" in cmd else "0"
-            kind = f"worker {rank}"
+            kind = f"worker {what.get('rank', '0')}"
         out[kind] = c
     return out
 
