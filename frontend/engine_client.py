@@ -31,6 +31,7 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     AbortRequest,
     AddRequest,
+    KvLease,
     RequestDelta,
     SamplingParams,
 )
@@ -169,6 +170,8 @@ class EngineClient:
         priority: int = 0,
         slo_ttft_ms: float | None = None,
         slo_class: str = "interactive",
+        handoff: bool = False,
+        kv_source: KvLease | None = None,
     ) -> RequestStream:
         """Send one request to the scheduler now; its deltas come through the returned stream.
 
@@ -193,6 +196,8 @@ class EngineClient:
                     priority=priority,
                     slo_ttft_ms=slo_ttft_ms,
                     slo_class=slo_class,
+                    handoff=handoff,
+                    kv_source=kv_source,
                 )
             )
         except BaseException:

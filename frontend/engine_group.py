@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from subway.frontend.engine_client import EngineClient, QueueFullError, RequestStream
+from subway.frontend.handoff import HandoffStream, can_hand_off
 from subway.frontend.router import Load, PrefixRouter, Route
 from subway.frontend.scheduler_link import EngineDeadError
 from subway.ipc.config import EngineConfig
@@ -24,7 +25,9 @@ class EngineGroup:
         """`client_options`: passed to every `EngineClient` (heartbeat_timeout, fail_after)."""
         self.config = config
         n = max(1, config.parallel.data_parallel_size)
-        self.clients = [EngineClient(config.engine(i), **client_options) for i in range(n)]
+        engines = [config.engine(i) for i in range(n)]
+        self.clients = [EngineClient(e, **client_options) for e in engines]
+        self.roles = [e.parallel.role for e in engines]
         self.router = PrefixRouter(n, config.cache.block_size)
         self.on_route: Callable[[Route], None] = lambda route: None
         self._draining = False
@@ -112,14 +115,31 @@ class EngineGroup:
         if any(request_id in c._streams for c in clients):
             raise ValueError(f"request id {request_id!r} is already in flight")
         serving = self.serving()
-        loads = [_load(c) if c is not None else None for c in serving]
+        prefill = [c if r == "prefill" else None for c, r in zip(serving, self.roles, strict=True)]
+        decode = [c if r != "prefill" else None for c, r in zip(serving, self.roles, strict=True)]
+        if any(prefill) and any(decode) and can_hand_off(sampling):
+            engine = self._route(prompt_ids, prefill)
+            return HandoffStream(
+                request_id, prompt_ids, sampling, options, clients[engine],
+                lambda prompt: clients[self._route(prompt, self.serving_decode())],
+            )  # fmt: skip
+        # No split: a decode engine serves it whole (a prefill engine when none is left).
+        engine = self._route(prompt_ids, decode if any(decode) else serving)
+        return clients[engine].submit(request_id, prompt_ids, sampling, **options)
+
+    def serving_decode(self) -> list[EngineClient | None]:
+        return [c if r != "prefill" else None
+                for c, r in zip(self.serving(), self.roles, strict=True)]  # fmt: skip
+
+    def _route(self, prompt_ids: Sequence[int], candidates: list[EngineClient | None]) -> int:
+        """The engine among `candidates` (None: not one) that the router picks."""
+        loads = [_load(c) if c is not None else None for c in candidates]
         try:
             route = self.router.choose(prompt_ids, loads)
         except LookupError:
             raise EngineDeadError(self.link.error or "no engine can serve") from None
-        stream = clients[route.engine].submit(request_id, prompt_ids, sampling, **options)
         self.on_route(route)
-        return stream
+        return route.engine
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, **options
@@ -144,14 +164,17 @@ class EngineGroup:
                 state = "serving"
             else:
                 state = link.error or ("not ready" if not link.ready else "silent")
-            states.append({"engine": i, "state": state})
-        return any(s["state"] == "serving" for s in states), states
+            states.append({"engine": i, "role": self.roles[i], "state": state})
+        serving = {s["role"] for s in states if s["state"] == "serving"}
+        # End to end: a decode (or whole) engine can serve any request; prefill ones alone
+        # serve whole requests too.
+        return bool(serving), states
 
 
 def _load(client: EngineClient) -> Load:
     stats = client.link.stats
     kv = stats.kv_blocks_used / max(1, stats.kv_blocks_total) if stats is not None else 0.0
-    return Load(client.num_waiting, client.num_in_flight, kv)
+    return Load(client.num_in_flight, client.num_waiting, kv)
 
 
 class GroupLink:

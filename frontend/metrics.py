@@ -13,10 +13,15 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from subway.frontend.router import Route
-from subway.ipc.messages import EngineStats
+from subway.ipc.messages import KV_TRANSFER_BUCKETS, EngineStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -39,6 +44,7 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.scheduler_time),
     ("worker_idle_last_step_seconds", "Worker wait for the last plan.",
      lambda s: s.worker_idle_time),
+    ("kv_leases", "Disaggregation: leases a prefill engine holds now.", lambda s: s.kv_leases),
 )  # fmt: skip
 ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("num_preemptions", "Preemptions by recompute.", lambda s: s.num_preempted_total),
@@ -58,6 +64,12 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.spec_draft_tokens_total),
     ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
      lambda s: s.spec_accepted_tokens_total),
+    ("kv_transfer_blocks", "Disaggregation: KV blocks a decode engine copied in.",
+     lambda s: s.kv_transfer_blocks_total),
+    ("kv_transfer_failures", "Disaggregation: KV copies that failed or came too late (the "
+     "decode engine computed the prompt itself).", lambda s: s.kv_transfer_failures_total),
+    ("kv_leases_expired", "Disaggregation: a prefill engine's leases freed unreleased.",
+     lambda s: s.kv_leases_expired_total),
 )  # fmt: skip
 
 
@@ -65,16 +77,20 @@ class _EngineCollector:
     """The engine's figures at scrape time, from the latest EngineStats (zeros before any),
     and the messages refused anywhere on the internal plane and at the ZMQ endpoint."""
 
-    def __init__(self, model_name: str, rejected_here: Callable[[], int], num_engines: int) -> None:
+    def __init__(self, model_name: str, rejected_here: Callable[[], int], roles: list[str]) -> None:
         self.model_name = model_name
-        self.stats = [EngineStats() for _ in range(num_engines)]
+        self.roles = roles
+        self.stats = [EngineStats() for _ in roles]
         self.rejected_here = rejected_here
 
     def collect(self) -> Iterator[Metric]:
         """One series per engine, labelled `engine`; the frontend's own refusals (its links
         and its ZMQ endpoint) are counted in engine 0's."""
-        label_names = ["model_name", "engine"]
-        per_engine = [([self.model_name, str(i)], s) for i, s in enumerate(self.stats)]
+        label_names = ["model_name", "engine", "role"]
+        per_engine = [
+            ([self.model_name, str(i), role], s)
+            for i, (role, s) in enumerate(zip(self.roles, self.stats, strict=True))
+        ]
         for name, doc, value in ENGINE_GAUGES:
             g = GaugeMetricFamily(f"subway:{name}", doc, labels=label_names)
             for labels, s in per_engine:
@@ -91,6 +107,17 @@ class _EngineCollector:
             "the frontend's link and its native ZMQ endpoint.",
             labels=label_names,
         )
+        h = HistogramMetricFamily(
+            "subway:kv_transfer_seconds",
+            "Disaggregation: seconds a decode engine's KV copy took (its slowest rank).",
+            labels=label_names,
+        )
+        for labels, s in per_engine:
+            counts = s.kv_transfer_buckets or [0] * len(KV_TRANSFER_BUCKETS)
+            buckets = [(str(b), c) for b, c in zip(KV_TRANSFER_BUCKETS, counts, strict=True)]
+            buckets.append(("+Inf", s.kv_transfer_count))
+            h.add_metric(labels, buckets, s.kv_transfer_seconds_sum)
+        yield h
         here = self.rejected_here()
         for i, (labels, s) in enumerate(per_engine):
             c.add_metric(labels, s.ipc_rejected_total + (here if i == 0 else 0))
@@ -104,13 +131,13 @@ class Metrics:
         self,
         model_name: str,
         rejected_here: Callable[[], int] = lambda: 0,
-        num_engines: int = 1,
+        roles: list[str] | None = None,
     ) -> None:
         """`rejected_here`: messages this frontend refused (its links, its ZMQ endpoint)."""
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name
-        self._engine = _EngineCollector(model_name, rejected_here, num_engines)
+        self._engine = _EngineCollector(model_name, rejected_here, roles or ["both"])
         r.register(self._engine)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

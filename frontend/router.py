@@ -7,13 +7,15 @@ full when this frontend says hello). A prompt's chain of block digests is walked
 through each set from the first block: the number of leading blocks found is the
 prefix that engine would serve from its cache.
 
-Load is judged by what this frontend knows at once and what the engines report a step
-late: the sequences waiting (the engine's queue, or those this frontend sent that have
-no token yet beyond the batch's free places), then the sequences in flight, then the
-KV blocks in use. The preferred engine counts as overloaded when more than
-`overload_waiting` more sequences wait there than at the least loaded one, so a popular
-prefix cannot pile every request onto one engine: the others then compute it and cache
-it too, and the traffic spreads over all that hold it.
+Load is judged first by what this frontend knows at once: the sequences it has in
+flight on each engine (waiting or running there), then by what the engines report a
+step late: the sequences waiting in their queues, then the KV blocks in use. (Waiting
+first would send a whole burst to one engine: every request of a burst is routed
+before any engine's next report, and a stale report of one waiting sequence would
+make the other engine win every time.) The preferred engine counts as overloaded when
+it has more than `overload` sequences in flight beyond the least loaded one, so a
+popular prefix cannot pile every request onto one engine: the others then compute it
+and cache it too, and the traffic spreads over all that hold it.
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from dataclasses import dataclass
 
 from subway.ipc.prefix import prompt_digests
 
-OVERLOAD_WAITING = 8  # more waiting sequences than the least loaded engine: overloaded
+OVERLOAD = 8  # more sequences in flight than on the least loaded engine: overloaded
 
 
 @dataclass(frozen=True)
 class Load:
-    """An engine's load, as the router compares loads: `waiting`, then `in_flight`, then
+    """An engine's load, as the router compares loads: `in_flight`, then `waiting`, then
     `kv_used` (fraction of its blocks)."""
 
-    waiting: int
     in_flight: int
+    waiting: int
     kv_used: float
 
     def key(self) -> tuple[int, int, float]:
-        return (self.waiting, self.in_flight, self.kv_used)
+        return (self.in_flight, self.waiting, self.kv_used)
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,9 @@ class Route:
 
 
 class PrefixRouter:
-    def __init__(
-        self, num_engines: int, block_size: int, overload_waiting: int = OVERLOAD_WAITING
-    ) -> None:
+    def __init__(self, num_engines: int, block_size: int, overload: int = OVERLOAD) -> None:
         self.block_size = block_size
-        self.overload_waiting = overload_waiting
+        self.overload = overload
         self.records: list[set[int]] = [set() for _ in range(num_engines)]
         self._next = 0  # where the search for the least loaded starts: ties go round
 
@@ -98,7 +98,7 @@ class PrefixRouter:
             return Route(least, "least_loaded", 0)
         # Among the engines holding the longest prefix, the least loaded (`ordered` order).
         preferred = next(i for i in ordered if held[i] == best)
-        floor = loads[least].waiting  # type: ignore[union-attr]
-        if loads[preferred].waiting > floor + self.overload_waiting:  # type: ignore[union-attr]
+        floor = loads[least].in_flight  # type: ignore[union-attr]
+        if loads[preferred].in_flight > floor + self.overload:  # type: ignore[union-attr]
             return Route(least, "overloaded", held[least])
         return Route(preferred, "prefix", best)

@@ -74,7 +74,7 @@ def build_app(
     metrics = Metrics(
         config.model.served_model_name,
         lambda: engine.link.num_rejected + (endpoint.rejected if endpoint is not None else 0),
-        num_engines=len(group.clients) if group is not None else 1,
+        roles=group.roles if group is not None else None,
     )
     if group is not None:
         group.on_route = metrics.observe_route

@@ -114,11 +114,22 @@ class ParallelConfig:
                                   "workers each) behind one frontend", alias="-dp")  # fmt: skip
     data_parallel_rank: int = opt(0, "which engine this process belongs to (processes started "
                                   "one by one)", alias="--engine-id")  # fmt: skip
+    prefill_engines: int = opt(0, "disaggregation: engines that only prefill (the first "
+                               "engines), with --decode-engines")  # fmt: skip
+    decode_engines: int = opt(0, "disaggregation: engines that only decode (after the prefill "
+                              "ones), with --prefill-engines")  # fmt: skip
+    role: str = opt("both", "what this engine does (derived from --prefill-engines and "
+                    "--decode-engines when they are given)",
+                    choices=("both", "prefill", "decode"))  # fmt: skip
     engine_addrs: str = opt(
         "",
         "frontend: each engine's scheduler address, comma-separated, as the engines bind "
         "them (engines on other hosts); default: derived as for one host (engine_config)",
     )
+
+    def __post_init__(self) -> None:
+        if self.prefill_engines or self.decode_engines:
+            _set(self, "data_parallel_size", self.prefill_engines + self.decode_engines)
 
 
 @dataclass(frozen=True)
@@ -191,6 +202,11 @@ class IpcConfig:
     @property
     def sampled_shm_name(self) -> str:
         return f"subway_{self.run_id}_sampled"
+
+    @property
+    def kv_source(self) -> str:
+        """A prefill engine's shared KV caches are `{kv_source}_kv{rank}` (worker/kv_share.py)."""
+        return f"subway_{self.run_id}"
 
 
 @dataclass(frozen=True)
@@ -281,8 +297,12 @@ def engine_config(config: EngineConfig, i: int) -> EngineConfig:
     listed = [a.strip() for a in config.parallel.engine_addrs.split(",") if a.strip()]
     if listed and len(listed) != n:
         raise ValueError(f"--engine-addrs names {len(listed)} engines; --data-parallel-size is {n}")
+    p = config.parallel
+    role = p.role
+    if p.prefill_engines or p.decode_engines:
+        role = "prefill" if i < p.prefill_engines else "decode"
     if i == 0 and not listed:
-        return config.replace(data_parallel_rank=0)
+        return config.replace(data_parallel_rank=0, role=role)
     ipc = config.ipc
     addrs = {f"{name}_addr": _shifted(getattr(ipc, f"{name}_addr"), ipc.run_dir, name, i)
              for name in ADDRESS_NAMES}  # fmt: skip
@@ -293,6 +313,7 @@ def engine_config(config: EngineConfig, i: int) -> EngineConfig:
     return config.replace(
         run_id=run_id,
         data_parallel_rank=i,
+        role=role,
         dist_init_addr=f"{host}:{int(port) + i}",
         **addrs,
     )

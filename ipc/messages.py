@@ -96,6 +96,19 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
+class KvLease(msgspec.Struct, array_like=True):
+    """A prefill engine's hold on a finished request's full prompt blocks, for a decode
+    engine to copy (disaggregation): freed on `ReleaseKv` or after `LEASE_S`.
+    `source` is the engine's shared-memory prefix (its caches are `SOURCE_kvRANK`)."""
+
+    lease_id: int
+    source: str
+    blocks: list[int]
+
+
+LEASE_S = 30.0  # a lease nobody released is freed after this long
+
+
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     request_id: str
     prompt: TokenRef
@@ -105,6 +118,18 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     priority: int = 0  # lower is served first
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"  # or "batch"
+    # Disaggregation. `handoff` (to a prefill engine): lease the prompt's blocks when the
+    # request ends by its length (its `max_tokens` is 1 there); the last delta names the
+    # lease. `kv_source` (to a decode engine): copy those blocks into this engine's prefix
+    # cache before the request is queued; on any failure it recomputes them.
+    handoff: bool = False
+    kv_source: KvLease | None = None
+
+
+class ReleaseKv(msgspec.Struct, tag="release_kv"):
+    """The decode side has its copy (or gave up): free the lease's blocks."""
+
+    lease_id: int
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -133,7 +158,7 @@ class FrontendAlive(msgspec.Struct, tag="alive"):
 
 FRONTEND_HEARTBEAT_S = 1.0
 
-ToScheduler = AddRequest | AbortRequest | FrontendHello | FrontendAlive
+ToScheduler = AddRequest | AbortRequest | FrontendHello | FrontendAlive | ReleaseKv
 
 
 # ---------------------------------------------------------------- workers -> scheduler
@@ -181,7 +206,17 @@ class WorkerError(msgspec.Struct, tag="worker_error"):
     message: str
 
 
-FromWorker = WorkerReady | StepResult | WorkerError
+class KvImported(msgspec.Struct, tag="kv_imported", omit_defaults=True):
+    """Each rank's answer to a KvImport: whether its shard of the blocks was copied."""
+
+    import_id: int
+    rank: int
+    ok: bool
+    seconds: float = 0.0
+    error: str = ""
+
+
+FromWorker = WorkerReady | StepResult | WorkerError | KvImported
 
 
 # ---------------------------------------------------------------- scheduler -> workers
@@ -238,7 +273,17 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToWorker = Plan | Shutdown
+class KvImport(msgspec.Struct, tag="kv_import"):
+    """Copy blocks `src_blocks` of another engine's caches (its shared-memory `source`, on
+    this host) into this engine's `dst_blocks`, before any later plan runs."""
+
+    import_id: int
+    source: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
+ToWorker = Plan | Shutdown | KvImport
 
 
 # ---------------------------------------------------------------- scheduler -> frontend
@@ -253,6 +298,9 @@ class EngineReady(msgspec.Struct, tag="engine_ready"):
     pid: int = 0  # the scheduler's, with `host`: how the frontend judges its death
     host: str = ""
     engine_id: int = 0  # its data-parallel rank: a frontend refuses an engine it did not expect
+
+
+KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)  # seconds; +Inf implied
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -270,6 +318,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: PromptLogprobs | None = None
     # On a request's first delta: seconds from arrival to its first scheduled step, if known.
     queue_time: float | None = None
+    # A prefill engine's last delta of a `handoff` request: the blocks it holds for a decode
+    # engine to copy.
+    kv_lease: KvLease | None = None
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True):
@@ -298,6 +349,15 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     spec_num_drafts_total: int = 0
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
+    # Disaggregation: blocks copied in from prefill engines, copies that failed (recomputed),
+    # and the copies' durations as cumulative counts over KV_TRANSFER_BUCKETS.
+    kv_transfer_blocks_total: int = 0
+    kv_transfer_failures_total: int = 0
+    kv_transfer_count: int = 0
+    kv_transfer_seconds_sum: float = 0.0
+    kv_transfer_buckets: list[int] = []
+    kv_leases: int = 0  # prefill engines: leases held now
+    kv_leases_expired_total: int = 0
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

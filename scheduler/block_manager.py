@@ -227,6 +227,15 @@ class BlockManager:
         self._num_evictable -= n
         self.num_evictions += n
 
+    def rename(self, seq_id: int, new_id: int) -> None:
+        """The sequence's blocks, claims and keying state now belong to `new_id` (a lease
+        that outlives the sequence: `scheduler/handoff.py`)."""
+        if new_id in self._tables:
+            raise AssertionError(f"{new_id} holds blocks already")
+        for d in (self._tables, self.claimed, self._keyed, self._last_digest):
+            if seq_id in d:
+                d[new_id] = d.pop(seq_id)
+
     def free(self, seq_id: int) -> int:
         """Return the sequence's blocks to the pool; returns how many references were dropped.
 

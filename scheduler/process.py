@@ -49,6 +49,7 @@ from subway.ipc.messages import (
     EngineReady,
     FrontendAlive,
     FrontendHello,
+    ReleaseKv,
     RequestDelta,
     ToFrontend,
     ToScheduler,
@@ -59,6 +60,7 @@ from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc
 from subway.scheduler.checks import check_add, ids_in_vocab
 from subway.scheduler.engine_core import EngineCore
+from subway.scheduler.handoff import Imports, Leases
 from subway.scheduler.policy import make_policy
 from subway.scheduler.scheduler import Scheduler
 from subway.scheduler.worker_link import LINGER_MS, WorkerLink
@@ -118,6 +120,7 @@ class SchedulerLoop:
         self.drain_since: float | None = None  # SIGTERM came: drain, then stop
         self.exit_code: int | None = None
         self.digests_reset = False  # owe the frontend a full report of the cached digests
+        self.imports: Imports | None = None  # a decode engine's KV copies in
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
         """First signal: drain. A second SIGINT: stop now (a second SIGTERM changes nothing:
@@ -155,6 +158,7 @@ class SchedulerLoop:
                     break
                 timeout = POLL_MAX_MS
                 if self.core is not None:
+                    self._handoffs()
                     self.out += self.core.step()
                     self._flush()
                     self._maybe_log()
@@ -166,6 +170,18 @@ class SchedulerLoop:
             self._send_frontend(EngineError(f"scheduler failed: {e!r}"))
             return 1
         return 0 if self.exit_code is None else self.exit_code
+
+    def _handoffs(self) -> None:
+        """Disaggregation's turn: leases that expired; KV copies answered or overdue."""
+        now = time.monotonic()
+        sched = self.sched
+        if sched.leases is not None and sched.leases.held:
+            sched.leases.expire(now)
+        if self.imports is not None:
+            for answer in self.workers.collect_imports():
+                self.imports.on_answer(answer)
+            if self.imports.pending:
+                self.imports.expire(now)
 
     def _drain(self) -> None:
         workers = self.workers
@@ -209,6 +225,9 @@ class SchedulerLoop:
         log.warning("%s; aborting its %d requests", why, len(live))
         for rid in live:
             self.sched.abort(rid)  # type: ignore[union-attr]
+        if self.imports is not None:  # and those still waiting for their KV copies
+            for rid in self.imports.requests():
+                self.imports.abort(rid)
         self.early = []
         self.frontend_peer = None
 
@@ -291,11 +310,16 @@ class SchedulerLoop:
         self.digests_reset = True  # the next Deltas carries every cached digest
         self.last_out_at = 0.0  # and goes at once
 
-    def _apply(self, msg: AddRequest | AbortRequest) -> None:
+    def _apply(self, msg: AddRequest | AbortRequest | ReleaseKv) -> None:
         sched = self.sched
         assert sched is not None
+        if isinstance(msg, ReleaseKv):
+            if sched.leases is None or not sched.leases.release(msg.lease_id):
+                log.info("release of lease %d: not held (expired, or never ours)", msg.lease_id)
+            return
         if isinstance(msg, AbortRequest):
-            sched.abort(msg.request_id)
+            if self.imports is None or not self.imports.abort(msg.request_id):
+                sched.abort(msg.request_id)
             return
         vocab = self.ready_msg.vocab_size if self.ready_msg is not None else 0
         problem = check_add(msg, vocab)
@@ -305,6 +329,9 @@ class SchedulerLoop:
         if problem is not None:
             self.refusals.refuse("bad request", f"{msg.request_id[:64]!r}: {problem}")
             ids = None
+        if msg.kv_source is not None and self.imports is not None and ids is not None:
+            self.imports.add(msg, ids)  # queued once its blocks are copied in (or not)
+            return
         sched.add(msg, ids if ids is not None else [])  # no ids: it finishes with "error"
 
     def _read_prompt(self, req: AddRequest) -> list[int] | None:
@@ -333,6 +360,11 @@ class SchedulerLoop:
             max_len = min(max_len, config.model.max_model_len)
         self.workers.start(rank0)
         sched = self.sched = Scheduler(config, num_blocks, max_len, rank0.eos_token_ids)
+        role = config.parallel.role
+        if role == "prefill":
+            sched.leases = Leases(sched, config.ipc.kv_source)
+        world = config.parallel.tensor_parallel_size
+        self.imports = Imports(sched, self.workers.send_import, world) if role == "decode" else None
         self.core = EngineCore(sched, self.workers, 2 if config.scheduler.overlap else 1)
         self.ready_msg = EngineReady(
             num_blocks=num_blocks,

@@ -63,6 +63,7 @@ class Request:
     first_scheduled_time: float | None = None  # the scheduler's clock at its first admission
     speculable: bool = False  # speculative decoding may propose drafts for it (no grammar)
     num_draft: int = 0  # draft tokens of its step in flight (it waits for that result)
+    handoff: bool = False  # a prefill engine's: lease its blocks when it ends by length
 
     @property
     def prompt_len(self) -> int:

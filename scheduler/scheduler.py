@@ -75,6 +75,7 @@ class Scheduler:
         self.pending: list[RequestDelta] = []  # deltas not tied to a step result
         self.deferred: list[tuple[int, RequestDelta]] = []  # (after result of step, delta)
         self.planner = Planner(self, config.scheduler)
+        self.leases = None  # a prefill engine's `handoff.Leases`
 
     # ------------------------------------------------------------ counts
 
@@ -162,6 +163,7 @@ class Scheduler:
             slo_class=msg.slo_class,
             length=n,
             speculable=self.speculative is not None and sp.grammar is None,
+            handoff=msg.handoff,
         )
         self._next_seq_id += 1
         self.by_seq[req.seq_id] = req

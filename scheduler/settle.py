@@ -80,6 +80,8 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         append(delta)
         lo = hi
         if reason is not None:
+            if reason == "length" and req.handoff and sched.leases is not None:
+                delta.kv_lease = sched.leases.grant(req)  # its blocks outlive it
             sched.finish(req)
     if sched.deferred:
         step = result.step

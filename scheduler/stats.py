@@ -36,6 +36,15 @@ class SchedulerStats:
     spec_drafts_total: int = 0  # speculative decoding: steps of a request with a draft,
     spec_draft_tokens_total: int = 0  # the draft tokens they proposed,
     spec_accepted_tokens_total: int = 0  # and how many the worker accepted
+    # Disaggregation (handoff.py): leases held and expired (prefill engines), KV copies in
+    # (decode engines): blocks, failures, durations (count, sum, cumulative bucket counts).
+    kv_leases: int = 0
+    kv_leases_expired_total: int = 0
+    kv_transfer_blocks_total: int = 0
+    kv_transfer_failures_total: int = 0
+    kv_transfer_count: int = 0
+    kv_transfer_seconds_sum: float = 0.0
+    kv_transfer_buckets: list[int] | None = None
     # Where the last log line left off, for per-interval rates:
     logged_steps: int = 0
     logged_schedule_time: float = 0.0
@@ -67,6 +76,13 @@ class SchedulerStats:
             spec_num_drafts_total=self.spec_drafts_total,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
+            kv_leases=self.kv_leases,
+            kv_leases_expired_total=self.kv_leases_expired_total,
+            kv_transfer_blocks_total=self.kv_transfer_blocks_total,
+            kv_transfer_failures_total=self.kv_transfer_failures_total,
+            kv_transfer_count=self.kv_transfer_count,
+            kv_transfer_seconds_sum=self.kv_transfer_seconds_sum,
+            kv_transfer_buckets=list(self.kv_transfer_buckets or ()),
         )
 
     def log_line(self, s: EngineStats, interval: float) -> str:

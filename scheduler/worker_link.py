@@ -34,6 +34,8 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     Codec,
     FromWorker,
+    KvImport,
+    KvImported,
     Plan,
     Shutdown,
     StepResult,
@@ -69,6 +71,7 @@ class WorkerLink:
         self.refusals = Refusals(log, "a worker")
         self.worker_rejected = 0  # messages rank 0 says it refused
         self._results: list[tuple[StepResult, list[int]]] = []
+        self._imported: list[KvImported] = []  # KV copies the ranks have answered
         # Plans in flight, oldest first: (step, ids of the sequences it samples, the plan).
         self._inflight: deque[tuple[int, list[int], Plan]] = deque()
         self._progress_at = 0.0  # last result, or the submit that started an empty pipeline
@@ -112,6 +115,14 @@ class WorkerLink:
         sampled = [s.seq_id for s in plan.seqs if s.sample]
         self._inflight.append((plan.step, sampled, plan))
         self.plans.send(self._out.encode(plan))
+
+    def send_import(self, msg: KvImport) -> None:
+        """A KV copy for every rank, ordered before the plans sent after it."""
+        self.plans.send(self._out.encode(msg))
+
+    def collect_imports(self) -> list[KvImported]:
+        out, self._imported = self._imported, []
+        return out
 
     def collect(self) -> list[tuple[StepResult, list[int]]]:
         out, self._results = self._results, []
@@ -172,6 +183,11 @@ class WorkerLink:
                 )
                 return
             self.workers[msg.rank] = msg
+        elif isinstance(msg, KvImported):
+            if not 0 <= msg.rank < self.config.parallel.tensor_parallel_size:
+                self.refusals.refuse("bad KvImported", f"rank {msg.rank}")
+                return
+            self._imported.append(msg)
         elif isinstance(msg, WorkerError):
             if not 0 <= msg.rank < self.config.parallel.tensor_parallel_size:
                 self.refusals.refuse("bad WorkerError", f"rank {msg.rank}")

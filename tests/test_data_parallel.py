@@ -103,27 +103,29 @@ def test_the_block_manager_reports_the_digests_the_frontend_computes():
 
 
 def test_the_router_prefers_the_prefix_then_the_least_loaded():
-    r = PrefixRouter(2, block_size=4, overload_waiting=2)
+    r = PrefixRouter(2, block_size=4, overload=2)
     idle = [Load(0, 0, 0.0), Load(0, 0, 0.0)]
     prompt = list(range(40))
     # Nothing cached: the least loaded, ties taken in turn.
     assert {r.choose(prompt, idle).engine for _ in range(2)} == {0, 1}
-    assert r.choose(prompt, [Load(0, 3, 0.1), Load(0, 1, 0.5)]).engine == 1
+    assert r.choose(prompt, [Load(3, 0, 0.1), Load(1, 0, 0.5)]).engine == 1
+    assert r.choose(prompt, [Load(3, 1, 0.1), Load(3, 0, 0.5)]).engine == 1  # then waiting
+    assert r.choose(prompt, [Load(3, 0, 0.1), Load(3, 0, 0.5)]).engine == 0  # then KV
     # Engine 1 holds the first 5 blocks, engine 0 the first 2.
     digests = prompt_digests(prompt, 4)
     r.update(1, digests[:5], [], reset=False)
     r.update(0, digests[:2], [], reset=False)
-    route = r.choose(prompt, [Load(0, 0, 0.0), Load(1, 9, 0.9)])
+    route = r.choose(prompt, [Load(0, 0, 0.0), Load(2, 1, 0.9)])
     assert (route.engine, route.reason, route.cached_blocks) == (1, "prefix", 5)
-    # Overloaded: more than 2 more waiting than the least loaded.
-    route = r.choose(prompt, [Load(0, 0, 0.0), Load(3, 9, 0.9)])
+    # Overloaded: more than 2 more in flight than the least loaded.
+    route = r.choose(prompt, [Load(0, 0, 0.0), Load(3, 0, 0.9)])
     assert (route.engine, route.reason) == (0, "overloaded")
     # An engine that cannot serve is never chosen; one that lost its cache holds nothing.
     assert r.choose(prompt, [Load(0, 0, 0.0), None]).engine == 0
     r.update(1, [], digests[:5], reset=False)
-    assert r.choose(prompt, [Load(0, 5, 0.0), Load(0, 0, 0.0)]).reason == "prefix"  # engine 0
+    assert r.choose(prompt, [Load(2, 0, 0.0), Load(0, 0, 0.0)]).reason == "prefix"  # engine 0
     r.update(0, [], [], reset=True)
-    assert r.choose(prompt, [Load(0, 5, 0.0), Load(0, 0, 0.0)]).reason == "least_loaded"
+    assert r.choose(prompt, [Load(2, 0, 0.0), Load(0, 0, 0.0)]).reason == "least_loaded"
     with pytest.raises(LookupError):
         r.choose(prompt, [None, None])
 

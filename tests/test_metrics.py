@@ -48,7 +48,7 @@ def server(tiny_models):
 
 def scrape(server) -> dict:
     """Families by name, and samples by `name{label=value,...}` (model_name and the one
-    engine's label left out); `engines`: the engine label of each engine-level sample."""
+    engine's labels left out); `engines`: the engine label of each engine-level sample."""
     text = httpx.get(server.url + "/metrics", timeout=5).text
     families, samples, engines = {}, {}, {}
     for family in text_string_to_metric_families(text):
@@ -59,7 +59,7 @@ def scrape(server) -> dict:
             labels = ",".join(
                 f"{k}={v}"
                 for k, v in sorted(s.labels.items())
-                if k not in ("model_name", "le", "engine")
+                if k not in ("model_name", "le", "engine", "role")
             )
             if "le" in s.labels:
                 continue

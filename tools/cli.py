@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         # engines on one host meet each other's sockets and buffers.
         parser.error(f"{args.command}: give every process of one engine the same --run-id")
     config = config_from_args(args)
+    p = config.parallel
+    if (p.prefill_engines > 0) != (p.decode_engines > 0):
+        parser.error("--prefill-engines and --decode-engines go together (at least 1 each)")
     if args.command in ("scheduler", "worker") and not args.config_json:
         config = one_engine(config)
     check_speculative(config)

@@ -77,7 +77,14 @@ def shm_names(config: EngineConfig) -> list[str]:
         names = os.listdir("/dev/shm")
     except FileNotFoundError:
         return []
-    return [n for n in names if n == config.ipc.sampled_shm_name or n.startswith(prompts)]
+    return [n for n in names if n == config.ipc.sampled_shm_name or n.startswith(prompts)
+            or _is_kv_segment(n, config)]  # fmt: skip
+
+
+def _is_kv_segment(name: str, config: EngineConfig) -> bool:
+    """A prefill engine's shared KV caches (`worker/kv_share.py`): `subway_RUN_kvRANK`."""
+    head = f"{config.ipc.kv_source}_kv"
+    return name.startswith(head) and name[len(head) :].isdigit()
 
 
 def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
@@ -101,14 +108,16 @@ def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
 
 
 def remove_engine_leftovers(config: EngineConfig) -> list[str]:
-    """What one lost engine of several leaves: its sampled-token buffer and the sockets its
-    scheduler bound. The frontend, which serves on, keeps its own (its prompt buffer and
-    socket for that engine)."""
+    """What one lost engine of several leaves: its sampled-token buffer, its shared KV
+    caches (a prefill engine's) and the sockets its scheduler bound. The frontend, which
+    serves on, keeps its own (its prompt buffer and socket for that engine)."""
     removed = []
-    path = os.path.join("/dev/shm", config.ipc.sampled_shm_name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-        removed.append(path)
+    names = [n for n in shm_names(config) if not n.startswith(config.ipc.prompt_shm_name)]
+    for name in names:
+        path = os.path.join("/dev/shm", name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
     ipc = config.ipc
     cleanup_ipc(ipc.scheduler_addr, ipc.plan_addr, ipc.result_addr)
     return removed

@@ -12,7 +12,8 @@ def title(kind: str, config: EngineConfig, rank: int | None = None) -> str:
     if kind == "frontend":
         n = config.parallel.data_parallel_size
         return f"subway frontend engines={n} port={config.server.port}"
-    words = [f"subway {kind}", f"engine={config.parallel.data_parallel_rank}", "role=both"]
+    p = config.parallel
+    words = [f"subway {kind}", f"engine={p.data_parallel_rank}", f"role={p.role}"]
     if rank is not None:
         words.append(f"rank={rank}")
     return " ".join(words)

@@ -34,6 +34,8 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     Codec,
     FromWorker,
+    KvImport,
+    KvImported,
     Shutdown,
     StepResult,
     TokenRef,
@@ -44,6 +46,7 @@ from subway.ipc.messages import (
 from subway.ipc.peers import this_host
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import Sockets
+from subway.worker.kv_share import Importer
 from subway.worker.parallel import init_distributed
 from subway.worker.runner import ModelRunner, PlanError, StepOutput, resolve_device
 
@@ -129,6 +132,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 )
             )
         )
+        importer = Importer(rank)
         last_sent = time.perf_counter()
         # The scheduler's death shows as a disconnect at once (the kernel closes its sockets).
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -154,6 +158,10 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 continue
             if isinstance(msg, Shutdown):
                 return 0
+            if isinstance(msg, KvImport):  # every rank copies its shard, and says so
+                ok, seconds, why = importer.run(runner.kv_caches, msg)
+                push.send(codec_out.encode(KvImported(msg.import_id, rank, ok, seconds, why)))
+                continue
             received = time.perf_counter()
             try:
                 out = runner.execute(msg)

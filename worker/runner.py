@@ -13,6 +13,7 @@ from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels import cpu_ext
 from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
+from subway.worker import kv_share
 from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.huge_pages import rehome
@@ -120,10 +121,10 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
         self.num_blocks = self._count_blocks()
-        self.kv_caches = allocate_kv_cache(
-            arch.num_layers, self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim,
-            self.dtype, self.device, config.model.huge_pages,
-            kv_int8=config.cache.kv_cache_dtype == "int8",
+        self.kv_caches, self.kv_shared = kv_share.allocate(
+            config.parallel.role, config.ipc.kv_source, rank, arch.num_layers,
+            self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim, self.dtype,
+            self.device, config.model.huge_pages, config.cache.kv_cache_dtype == "int8",
         )  # fmt: skip
         self.sampler = Sampler(
             self.device, config.model.seed, self.eos_token_ids, kernels.argmax_rows
@@ -223,6 +224,8 @@ class ModelRunner:
     def close(self) -> None:
         self._close_prompts()
         self.grammars.close()
+        if self.kv_shared is not None:
+            self.kv_shared.close()
 
     def drop(self, plan: Plan) -> list[int]:
         """After a failed step: forget every sequence the plan touched (their KV is suspect);

@@ -1,10 +1,10 @@
 """Data parallelism on this host, side by side in one run: two engines of one thread each
 (`--data-parallel-size 2 --threads 1`) against one engine of two threads (`--threads 2`).
 
-    python -m subway.tools.bench.bench_dp --out docs/bench/dp.json [--rounds 2]
+    python -m subway.tools.bench.bench_dp --out docs/bench/dp.json [--rounds 2] [--dtype float32]
 
-Both serve the default model with the vLLM comparison's engine flags (bfloat16, no prefix
-cache: the standard workload's prompts share no full block), in ABBA rounds. On each
+Both serve the default model with the vLLM comparison's engine flags (bfloat16 unless
+`--dtype` says otherwise, no prefix cache: the standard workload's prompts share no full block), in ABBA rounds. On each
 server, the standard workload (64 requests, seed 0) at each `--concurrency`: output
 tokens/s, TTFT and TPOT (p50, p99), and how the requests spread over the engines
 (`subway:routed_requests_total`).
@@ -61,7 +61,9 @@ def measure(url: str, std: list[workload.Request], concurrency: int) -> dict[str
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--concurrency", default="64,16,1")
+    p.add_argument("--concurrency", default="64,16")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 as vs_vllm; float32 on a CPU "
+                   "without bfloat16 instructions (AVX2 only)")  # fmt: skip
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in names if i % 2 == 0 else reversed(names):
             flags, threads = SETTINGS[name]
             print(f"round {i + 1}: {name}", flush=True)
-            with compare.subway_server("dp", [*vs_vllm.ENGINE_FLAGS, *flags], threads) as url:
+            flags = [*vs_vllm.ENGINE_FLAGS, "--dtype", a.dtype, *flags]
+            with compare.subway_server("dp", flags, threads) as url:
                 bench_serving.benchmark(
                     url, compare.warmup_requests(), progress=False, keep_records=False
                 )
