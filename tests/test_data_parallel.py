@@ -211,14 +211,24 @@ def test_requests_sharing_a_prefix_land_on_the_engine_holding_it(tiny_models):
         assert s.stop() == 0
 
 
-def test_one_engine_lost_the_other_serves_on(tiny_models):
-    s = Server(tiny_models["llama"], "-dp", "2", "--threads", "1", "--num-kv-blocks", "64")
+def test_one_engine_lost_under_load_the_other_serves_on(tiny_models):
+    """kill -9 of engine 1's worker while 8 streams run over both engines: engine 1's
+    end with an error, engine 0's finish, `/health` stays 200 (degraded)."""
+    from test_disaggregation import _stream_many
+
+    s = Server(tiny_models["llama"], "-dp", "2", "--threads", "1", "--num-kv-blocks", "256")
     try:
         victim = next(
             c for c in s.children() if parse(c.cmdline()) == {
                 "kind": "worker", "engine": "1", "role": "both", "rank": "0"}
         )  # fmt: skip
-        victim.kill()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(_stream_many, s.url, 8, 300)
+            until(lambda: per_engine(s.url, "subway:num_requests_running").get("1", 0) > 0, 60)
+            victim.kill()
+            outcomes = load.result(timeout=120)
+        failed = [o for o in outcomes if not isinstance(o, str)]
+        assert 0 < len(failed) < 8, outcomes  # engine 1's failed, engine 0's finished
 
         def degraded() -> bool:
             r = httpx.get(s.url + "/health", timeout=2)

@@ -315,3 +315,64 @@ def test_with_the_prefill_engine_lost_the_decode_engine_serves_alone(tiny_models
     finally:
         assert s.stop() == 0
         assert s.shm_files() == []
+
+
+def _stream_many(url: str, n: int, tokens: int) -> list:
+    """`n` streaming requests at once, each to the end; each result is its text, or the
+    exception or error finish it ended with."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+    def one(i: int):
+        try:
+            stream = client.completions.create(
+                model=model, prompt=[(13 * i + 7 * j) % 800 + 25 for j in range(40)],
+                max_tokens=tokens, stream=True, temperature=0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            text, reason = "", None
+            for chunk in stream:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            return text if reason == "length" else RuntimeError(reason)
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_an_engine_killed_under_load_leaks_no_block_and_nothing_hangs(tiny_models, victim):
+    """kill -9 of one side's worker while requests pass through both: every request ends
+    (done, or with an error) within its timeout, and the surviving engine's blocks and
+    leases all come back."""
+    s = Server(tiny_models["llama"], *PD)
+    try:
+        worker = next(c for c in s.children()
+                      if parse(c.cmdline()).get("role") == victim
+                      and parse(c.cmdline())["kind"] == "worker")  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(_stream_many, s.url, 8, 400)
+            until(lambda: per_engine(s.url, "subway:kv_transfer_blocks_total")["1"] > 0, 30)
+            worker.kill()  # streams are on the decode engine, others maybe still prefilling
+            outcomes = load.result(timeout=120)  # nothing hangs
+        assert len(outcomes) == 8
+        if victim == "decode":  # its streams were cut: they end with an error
+            assert any(not isinstance(o, str) for o in outcomes), outcomes
+        survivor = "1" if victim == "prefill" else "0"
+
+        def all_back() -> bool:
+            used = per_engine(s.url, "subway:kv_cache_usage_perc")[survivor]
+            if victim == "prefill":  # a dead engine's figures are its last report
+                return used == 0.0
+            return used == 0.0 and per_engine(s.url, "subway:kv_leases")["0"] == 0.0
+
+        until(all_back, 40)  # within the lease's 30 s at most
+        assert httpx.get(s.url + "/health", timeout=2).status_code == 200  # degraded, serving
+        done = complete(s.url, [(3 * i) % 500 + 40 for i in range(30)], 4)  # still serves
+        assert isinstance(done, str)
+    finally:
+        s.stop()
+    assert s.shm_files() == []
