@@ -13,6 +13,7 @@ import uuid
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from subway.tools.proc_title import parse
 
@@ -101,3 +102,27 @@ class Server:
                 c.kill()
             self.proc.kill()
             return self.proc.wait()
+
+
+def per_engine(url: str, name: str) -> dict[str, float]:
+    """{engine label: value} of one metric family (summed over its other labels)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            if s.name == name and "engine" in s.labels:
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
+    return out
+
+
+def complete(url: str, ids: list[int], n: int) -> str:
+    """Greedy text for a prompt of token ids, exactly `n` tokens, with its usage checked."""
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n,
+                             "total_tokens": len(ids) + n}  # fmt: skip
+    return body["choices"][0]["text"]

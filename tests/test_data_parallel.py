@@ -13,7 +13,6 @@ import sys
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from subway.frontend.router import Load, PrefixRouter
@@ -23,7 +22,7 @@ from subway.scheduler.block_manager import BlockManager
 from subway.tools.proc_title import parse, title
 
 from reference import hf_greedy
-from serving import Server, until
+from serving import Server, complete, per_engine, until
 
 # ------------------------------------------------------------------ config
 
@@ -131,29 +130,6 @@ def test_the_router_prefers_the_prefix_then_the_least_loaded():
 
 
 # ------------------------------------------------------------------ served
-
-
-def per_engine(url: str, name: str) -> dict[str, float]:
-    """{engine label: value} of one metric family (summed over its other labels)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == name and "engine" in s.labels:
-                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
-    return out
-
-
-def complete(url: str, ids: list[int], n: int) -> str:
-    """Greedy text for a prompt of token ids, exactly `n` tokens."""
-    r = httpx.post(
-        url + "/v1/completions",
-        json={"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"]["completion_tokens"] == n
-    return body["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "default"])

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import torch
 from fake_worker import FakeWorker
-from prometheus_client.parser import text_string_to_metric_families
 from test_scheduler import make_scheduler
 from transformers import AutoTokenizer
 
@@ -25,7 +24,7 @@ from subway.worker.kv_cache import allocate_kv_cache
 from subway.worker.kv_share import Importer, SharedKvCache, layout_of, segment_name
 
 from reference import hf_greedy
-from serving import Server, until
+from serving import Server, complete, per_engine, until
 
 BS = 4
 
@@ -211,28 +210,6 @@ def test_blocks_copy_bit_for_bit_from_a_shared_cache(dtype, kv_int8):
 
 
 # ------------------------------------------------------------------ served
-
-
-def per_engine(url: str, name: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == name and "engine" in s.labels:
-                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
-    return out
-
-
-def complete(url: str, ids: list[int], n: int) -> str:
-    r = httpx.post(
-        url + "/v1/completions",
-        json={"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n,
-                             "total_tokens": len(ids) + n}  # fmt: skip
-    return body["choices"][0]["text"]
 
 
 PD = ["--prefill-engines", "1", "--decode-engines", "1", "--threads", "1",
