@@ -9,9 +9,13 @@ import torch
 from subway import LLM
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
+from subway.worker import quant
 from subway.worker.quant import Int8Linear, int8_ops, quantize_weight, unsupported_reason
 
 DTYPES = (torch.float32, torch.bfloat16)
+# int8 weights run only where the CPU has VNNI (they are refused elsewhere, and that
+# refusal is tested everywhere: test_int8_weights_are_refused_without_vnni).
+needs_vnni = pytest.mark.skipif(not quant.cpu_has_vnni(), reason="no VNNI: int8 weights refused")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +48,7 @@ def test_quantize_rows_matches_the_reference(ops, dtype, shape):
     assert s[0] == 0 and not q[0].any()
 
 
+@needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "rows,k,n", [(1, 576, 960), (7, 100, 33), (64, 1536, 576), (300, 64, 4096), (512, 576, 1536)]
@@ -81,11 +86,19 @@ def test_unsupported_settings_are_refused_at_start():
 
     assert unsupported_reason(EngineConfig.build(quantization="int8", device="cuda"))
     assert unsupported_reason(EngineConfig.build(quantization="int8", cpu_ext=False))
-    assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
+    if quant.cpu_has_vnni():
+        assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
     with pytest.raises(SystemExit, match="CPU-only"):
         main(["serve", "--quantization", "int8", "--device", "cuda"])
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["serve", "--quantization", "int4"])
+
+
+def test_int8_weights_are_refused_without_vnni(monkeypatch):
+    monkeypatch.setattr(quant, "cpu_has_vnni", lambda: False)
+    reason = unsupported_reason(EngineConfig.build(quantization="int8", device="cpu"))
+    assert reason is not None and "VNNI" in reason
+    assert unsupported_reason(EngineConfig.build(kv_cache_dtype="int8", device="cpu")) is None
 
 
 TEXTS = (
@@ -122,6 +135,7 @@ def _agreement(scorer: LLM, prompts: list[list[int]], outputs: list[list[int]]) 
 AGREEMENT = 0.85  # measured 0.955 (bfloat16), 0.955 (float32), 0.985 (int8 KV), smoothed
 
 
+@needs_vnni
 @pytest.mark.parametrize(
     "dtype,kv", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8")]
 )
@@ -150,6 +164,7 @@ def test_int8_greedy_output_agrees_with_unquantized_batched_chunked_preempted(
 TP_AGREEMENT = 0.8  # measured 0.906 (smoothed)
 
 
+@needs_vnni
 def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):
     """Every process, real sockets: two tensor-parallel ranks each quantize their own
     shard; with the 8-bit KV cache too, the greedy output (token ids through the native
@@ -181,6 +196,7 @@ def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):
     assert rate >= TP_AGREEMENT
 
 
+@needs_vnni
 def test_int8_with_speculative_decoding_equals_int8_without(default_model):
     """Drafts are verified as extra rows of the same int8 matmuls (rows are independent:
     exact int32 sums, each row's own scale) and one-token rows of decode attention, so in
@@ -227,6 +243,7 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny_models, arch):
     assert after == pytest.approx(before, abs=1e-4)
 
 
+@needs_vnni
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_int8_with_the_prefix_cache(default_model, prompts, kv):
     """Requests that share a long prefix, served one after another: the later ones read the
