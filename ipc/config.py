@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import uuid
@@ -168,6 +169,9 @@ class ServerConfig:
                            '"off": none')  # fmt: skip
 
 
+_KV_ADDR = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")
+
+
 @dataclass(frozen=True)
 class IpcConfig:
     """Where the processes meet: ipc:// sockets live in `run_dir` on one host."""
@@ -184,12 +188,19 @@ class IpcConfig:
         "", "CurveZMQ key file (mode 0600) for tcp:// sockets; serve makes one per run"
     )
     max_message_bytes: int = opt(64 << 20, "largest ZeroMQ message any socket accepts")
+    kv_addr: str = opt(
+        "",
+        "a prefill engine serves its KV blocks at tcp://HOST:PORT (rank r: PORT + r x "
+        "engines), for decode engines on other hosts; empty: shared memory, one host",
+    )
 
     def __post_init__(self) -> None:
         if not self.run_id:
             _set(self, "run_id", _new_run_id())
         if not self.run_dir:
             _set(self, "run_dir", os.path.join(tempfile.gettempdir(), f"subway-{self.run_id}"))
+        if self.kv_addr and not _KV_ADDR.fullmatch(self.kv_addr):
+            raise ValueError(f"--kv-addr must be tcp://HOST:PORT, not {self.kv_addr[:80]!r}")
         d = self.run_dir
         for name in ("scheduler", "frontend", "plan", "result"):
             if not getattr(self, f"{name}_addr"):
@@ -207,6 +218,12 @@ class IpcConfig:
     def kv_source(self) -> str:
         """A prefill engine's shared KV caches are `{kv_source}_kv{rank}` (worker/kv_share.py)."""
         return f"subway_{self.run_id}"
+
+    def kv_rank_addr(self, rank: int, stride: int) -> str:
+        """Rank `rank`'s KV address: `kv_addr`'s port plus rank x `stride` (the engines
+        on this config's host, so that no two of their ranks meet)."""
+        host, _, port = self.kv_addr[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:{int(port) + rank * stride}"
 
 
 @dataclass(frozen=True)
@@ -240,6 +257,17 @@ class EngineConfig:
     def engine(self, i: int) -> EngineConfig:
         """Engine `i`'s config (`engine_config`)."""
         return engine_config(self, i)
+
+    @property
+    def kv_source(self) -> str:
+        """What this engine's leases name as their source (`KvLease.source`): its ranks'
+        KV addresses, comma-separated, when it has `--kv-addr`; else its shm prefix."""
+        ipc = self.ipc
+        if not ipc.kv_addr:
+            return ipc.kv_source
+        stride = max(1, self.parallel.data_parallel_size)
+        world = self.parallel.tensor_parallel_size
+        return ",".join(ipc.kv_rank_addr(r, stride) for r in range(world))
 
     @property
     def client_address(self) -> str | None:
@@ -309,6 +337,8 @@ def engine_config(config: EngineConfig, i: int) -> EngineConfig:
     if listed:
         addrs["scheduler_addr"] = listed[i]
     run_id = ipc.run_id if i == 0 else f"{ipc.run_id}-{i}"
+    if ipc.kv_addr:
+        addrs["kv_addr"] = _shifted(ipc.kv_addr, ipc.run_dir, "kv", i)
     host, _, port = config.parallel.dist_init_addr.rpartition(":")
     return config.replace(
         run_id=run_id,

@@ -49,7 +49,8 @@ class KeyPair:
 
 
 def internal_addrs(ipc: IpcConfig) -> tuple[str, ...]:
-    return (ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr)
+    addrs = (ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr)
+    return (*addrs, ipc.kv_addr) if ipc.kv_addr else addrs
 
 
 def is_tcp(addr: str) -> bool:

@@ -5,8 +5,9 @@ msgspec as MessagePack. Each socket direction has its own tagged union, so a
 receiver decodes exactly the messages it may get and nothing else.
 
     frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello, FrontendAlive)
-    workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError)
-    scheduler -> workers   : ToWorker      (Plan, Shutdown)
+    workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError, KvImported)
+    scheduler -> workers   : ToWorker      (Plan, Shutdown, KvImport)
+    decode worker <-> prefill worker, across hosts: KvFetch, KvBlocks and raw frames
     scheduler -> frontend  : ToFrontend    (EngineReady, Deltas, EngineError)
 
 Token ids travel as a `TokenRef`: an offset and a length into a shared-memory
@@ -99,7 +100,8 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 class KvLease(msgspec.Struct, array_like=True):
     """A prefill engine's hold on a finished request's full prompt blocks, for a decode
     engine to copy (disaggregation): freed on `ReleaseKv` or after `LEASE_S`.
-    `source` is the engine's shared-memory prefix (its caches are `SOURCE_kvRANK`)."""
+    `source` is the engine's shared-memory prefix (its caches are `SOURCE_kvRANK`, on this
+    host), or its ranks' KV addresses, comma-separated tcp://HOST:PORT (`--kv-addr`)."""
 
     lease_id: int
     source: str
@@ -274,8 +276,8 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class KvImport(msgspec.Struct, tag="kv_import"):
-    """Copy blocks `src_blocks` of another engine's caches (its shared-memory `source`, on
-    this host) into this engine's `dst_blocks`, before any later plan runs."""
+    """Copy blocks `src_blocks` of another engine's caches into this engine's `dst_blocks`,
+    before any later plan runs: `source` as in `KvLease`."""
 
     import_id: int
     source: str
@@ -284,6 +286,48 @@ class KvImport(msgspec.Struct, tag="kv_import"):
 
 
 ToWorker = Plan | Shutdown | KvImport
+
+
+# ------------------------------------------- decode worker <-> prefill worker (other hosts)
+
+
+class KvLayout(msgspec.Struct, frozen=True):
+    """One rank's KV caches: `num_layers` pairs (keys, values) of
+    [num_blocks, block_size, num_kv_heads, width] tensors of `dtype`."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    width: int  # a head vector's elements (head_dim, or head_dim + 4 int8 with its scale)
+    dtype: str
+
+    @property
+    def cache_elems(self) -> int:
+        return self.num_blocks * self.block_size * self.num_kv_heads * self.width
+
+    def same_blocks(self, other: KvLayout) -> bool:
+        """Whether a block of one is a block of the other (all but the block count)."""
+        return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(
+            other, num_blocks=0
+        )
+
+
+class KvFetch(msgspec.Struct, tag="kv_fetch"):
+    """A decode worker asks the prefill worker of its rank for blocks of that worker's
+    caches (leased, so unchanging): worker/kv_remote.py."""
+
+    fetch_id: int
+    blocks: list[int]
+
+
+class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
+    """The answer's first frame. Unless `error`, 2 * layout.num_layers raw frames follow,
+    layer by layer, keys then values: each the asked blocks, in the order asked."""
+
+    fetch_id: int
+    layout: KvLayout | None = None
+    error: str = ""
 
 
 # ---------------------------------------------------------------- scheduler -> frontend

@@ -362,7 +362,7 @@ class SchedulerLoop:
         sched = self.sched = Scheduler(config, num_blocks, max_len, rank0.eos_token_ids)
         role = config.parallel.role
         if role == "prefill":
-            sched.leases = Leases(sched, config.ipc.kv_source)
+            sched.leases = Leases(sched, config.kv_source)
         world = config.parallel.tensor_parallel_size
         self.imports = Imports(sched, self.workers.send_import, world) if role == "decode" else None
         self.core = EngineCore(sched, self.workers, 2 if config.scheduler.overlap else 1)

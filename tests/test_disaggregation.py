@@ -24,7 +24,7 @@ from subway.worker.kv_cache import allocate_kv_cache
 from subway.worker.kv_share import Importer, SharedKvCache, layout_of, segment_name
 
 from reference import hf_greedy
-from serving import Server, complete, per_engine, until
+from serving import Server, complete, free_port, per_engine, until
 
 BS = 4
 
@@ -238,13 +238,15 @@ def test_prefill_then_decode_equals_transformers(tiny_models, default_model, arc
         for p, a, b in zip(prompts, first, second, strict=True):
             want = tok.decode(hf_greedy(path, p, n).tokens)
             assert a == want and b == want
-        # Each request the prefill engine took was handed off: its 5 full blocks copied.
-        # (A prefill engine silent for a heartbeat's 3 s, on a loaded machine, does not get
-        # the request: the decode engine serves it whole.)
-        handed = per_engine(s.url, "subway:routed_requests_total")["0"]
+        # Each request handed off had its 5 full blocks copied. A request is routed once when
+        # one engine serves it whole (an engine silent for a heartbeat's 3 s, on a loaded
+        # machine, gets none: the other serves whole), twice when it is handed off.
+        routed = per_engine(s.url, "subway:routed_requests_total")
+        handed = routed["0"] + routed.get("1", 0) - 2 * len(prompts)
         assert handed > 0
-        assert per_engine(s.url, "subway:kv_transfer_blocks_total")["1"] == 5 * handed
-        assert per_engine(s.url, "subway:kv_transfer_failures_total")["1"] == 0
+        copied = per_engine(s.url, "subway:kv_transfer_blocks_total")["1"]
+        failed = per_engine(s.url, "subway:kv_transfer_failures_total")["1"]
+        assert (copied, failed) == (5 * handed, 0), (handed, s.read_output()[-3000:])
         assert sum(per_engine(s.url, "subway:prefix_cache_hits_total").values()) > 0
 
         def all_back() -> bool:
@@ -256,6 +258,27 @@ def test_prefill_then_decode_equals_transformers(tiny_models, default_model, arc
     finally:
         assert s.stop() == 0
         assert s.shm_files() == []
+
+
+def test_blocks_cross_as_zeromq_frames_as_between_hosts(tiny_models):
+    """`--kv-addr`: the prefill engine serves its leased blocks over CurveZMQ tcp (as to a
+    decode engine on another host), the decode engine fetches them: the same tokens."""
+    path = tiny_models["qwen2"]
+    s = Server(path, *PD, "--kv-addr", f"tcp://127.0.0.1:{free_port()}")
+    try:
+        prompts = [[(5 * i + 13 * j) % 800 + 40 for i in range(43)] for j in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: complete(s.url, p, 10), prompts))
+        tok = AutoTokenizer.from_pretrained(path)
+        assert got == [tok.decode(hf_greedy(path, p, 10).tokens) for p in prompts]
+        routed = per_engine(s.url, "subway:routed_requests_total")  # twice if handed off
+        handed = routed.get("0", 0) + routed.get("1", 0) - len(prompts)
+        assert handed > 0
+        assert per_engine(s.url, "subway:kv_transfer_failures_total")["1"] == 0
+        assert per_engine(s.url, "subway:kv_transfer_blocks_total")["1"] == 5 * handed
+        until(lambda: per_engine(s.url, "subway:kv_leases")["0"] == 0, 10)
+    finally:
+        assert s.stop() == 0
 
 
 def test_without_a_prefix_cache_the_decode_engine_recomputes(tiny_models):

@@ -167,8 +167,10 @@ def test_trickling_clients_do_not_delay_health_and_are_closed(door):
 
     async def main() -> None:
         async def trickler() -> float:
-            r, w = await asyncio.open_connection("127.0.0.1", door.port)
+            # Timed from before the connect: the server's clock starts at its accept, which is
+            # later, whereas this task may resume after open_connection well after it.
             opened = time.monotonic()
+            r, w = await asyncio.open_connection("127.0.0.1", door.port)
             w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             got = await _until_closed(r, w, HEADER_TIMEOUT + 4, b"X-Slow: " + b"a" * 64)
             w.close()

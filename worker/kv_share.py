@@ -26,7 +26,7 @@ from multiprocessing import shared_memory
 import msgspec
 import torch
 
-from subway.ipc.messages import KvImport
+from subway.ipc.messages import KvImport, KvLayout
 from subway.worker.kv_cache import allocate_kv_cache, kv_slot_layout
 from subway.worker.model import KVCache
 
@@ -34,25 +34,6 @@ HEADER_BYTES = 4096
 SOURCE_RE = re.compile(r"subway_[A-Za-z0-9_.-]{1,64}")  # an engine's shm prefix, nothing else
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int8": torch.int8}  # fmt: skip
-
-
-class KvLayout(msgspec.Struct, frozen=True):
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    width: int  # a head vector's elements (head_dim, or head_dim + 4 int8 with its scale)
-    dtype: str
-
-    @property
-    def cache_elems(self) -> int:
-        return self.num_blocks * self.block_size * self.num_kv_heads * self.width
-
-    def same_blocks(self, other: KvLayout) -> bool:
-        """Whether a block of one is a block of the other (all but the block count)."""
-        return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(
-            other, num_blocks=0
-        )
 
 
 class KvShareError(RuntimeError):

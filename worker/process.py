@@ -46,6 +46,7 @@ from subway.ipc.messages import (
 from subway.ipc.peers import this_host
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import Sockets
+from subway.worker.kv_remote import Fetches, KvServer, is_remote
 from subway.worker.kv_share import Importer
 from subway.worker.parallel import init_distributed
 from subway.worker.runner import ModelRunner, PlanError, StepOutput, resolve_device
@@ -103,6 +104,8 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     runner: ModelRunner | None = None
     sampled: TokenBuffer | None = None
     monitor: zmq.Socket | None = None
+    kv_server: KvServer | None = None
+    fetches: Fetches | None = None
     try:
         world = config.parallel.tensor_parallel_size
         if world > 1:
@@ -139,6 +142,11 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        fetches = Fetches(socks, poller, rank, world)  # imports from other hosts
+        if config.parallel.role == "prefill" and config.ipc.kv_addr:
+            stride = max(1, config.parallel.data_parallel_size)
+            kv_server = KvServer(socks, config.ipc.kv_rank_addr(rank, stride), runner.kv_caches)
+            poller.register(kv_server.sock, zmq.POLLIN)
         grace = config.server.shutdown_timeout + SIGTERM_GRACE_S
         rejected = 0
         while not stop.expired(grace):
@@ -147,6 +155,10 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 monitor.recv_multipart()
                 print(f"subway worker {rank}: the scheduler disconnected; exiting", file=sys.stderr)
                 return 0 if stop.requested else 1
+            if kv_server is not None and kv_server.sock in events:
+                kv_server.serve()
+            for answer in fetches.on_events(events, runner.kv_caches, time.perf_counter()):
+                push.send(codec_out.encode(answer))
             if sub not in events:
                 continue
             try:
@@ -159,8 +171,12 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             if isinstance(msg, Shutdown):
                 return 0
             if isinstance(msg, KvImport):  # every rank copies its shard, and says so
-                ok, seconds, why = importer.run(runner.kv_caches, msg)
-                push.send(codec_out.encode(KvImported(msg.import_id, rank, ok, seconds, why)))
+                if is_remote(msg.source):
+                    answer = fetches.start(runner.kv_caches, msg, time.perf_counter())
+                else:
+                    answer = KvImported(msg.import_id, rank, *importer.run(runner.kv_caches, msg))
+                if answer is not None:  # else when its blocks come (or its time runs out)
+                    push.send(codec_out.encode(answer))
                 continue
             received = time.perf_counter()
             try:
@@ -199,6 +215,10 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             runner.close()
         # A short linger so that a final WorkerError still leaves the process.
         push.close(linger=1000)
+        if fetches is not None:
+            fetches.close()
+        if kv_server is not None:
+            kv_server.close()
         if monitor is not None:
             sub.disable_monitor()
             monitor.close(linger=0)
