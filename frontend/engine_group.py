@@ -10,14 +10,14 @@ on, and `/health` stays 200 (saying "degraded") while at least one can serve.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from subway.frontend.engine_client import EngineClient, QueueFullError, RequestStream
 from subway.frontend.handoff import HandoffStream, can_hand_off
 from subway.frontend.router import Load, PrefixRouter, Route
 from subway.frontend.scheduler_link import EngineDeadError
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import EngineReady, EngineStats, RequestDelta, SamplingParams
+from subway.ipc.messages import EngineReady, EngineStats, SamplingParams
 
 
 class EngineGroup:
@@ -115,21 +115,21 @@ class EngineGroup:
         if any(request_id in c._streams for c in clients):
             raise ValueError(f"request id {request_id!r} is already in flight")
         serving = self.serving()
-        prefill = [c if r == "prefill" else None for c, r in zip(serving, self.roles, strict=True)]
-        decode = [c if r != "prefill" else None for c, r in zip(serving, self.roles, strict=True)]
+        prefill, decode = self._prefill(serving, True), self._prefill(serving, False)
         if any(prefill) and any(decode) and can_hand_off(sampling):
             engine = self._route(prompt_ids, prefill)
             return HandoffStream(
                 request_id, prompt_ids, sampling, options, clients[engine],
-                lambda prompt: clients[self._route(prompt, self.serving_decode())],
+                lambda prompt: clients[self._route(prompt, self._prefill(self.serving(), False))],
             )  # fmt: skip
         # No split: a decode engine serves it whole (a prefill engine when none is left).
         engine = self._route(prompt_ids, decode if any(decode) else serving)
         return clients[engine].submit(request_id, prompt_ids, sampling, **options)
 
-    def serving_decode(self) -> list[EngineClient | None]:
-        return [c if r != "prefill" else None
-                for c, r in zip(self.serving(), self.roles, strict=True)]  # fmt: skip
+    def _prefill(self, serving: list[EngineClient | None], yes: bool) -> list[EngineClient | None]:
+        """Of `serving`, the prefill engines (`yes`) or all others (decode and whole)."""
+        return [c if (r == "prefill") == yes else None
+                for c, r in zip(serving, self.roles, strict=True)]  # fmt: skip
 
     def _route(self, prompt_ids: Sequence[int], candidates: list[EngineClient | None]) -> int:
         """The engine among `candidates` (None: not one) that the router picks."""
@@ -141,16 +141,8 @@ class EngineGroup:
         self.on_route(route)
         return route.engine
 
-    async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, **options
-    ) -> AsyncIterator[RequestDelta]:
-        """`submit` as an async generator (EngineClient.generate)."""
-        stream = self.submit(request_id, prompt_ids, sampling, **options)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
+    # `submit` as an async generator: EngineClient's, which only calls `self.submit`.
+    generate = EngineClient.generate
 
     def abort_all(self) -> int:
         return sum(c.abort_all() for c in self.clients)

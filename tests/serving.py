@@ -27,6 +27,12 @@ def until(cond, within: float) -> float:
     return time.monotonic() - t0
 
 
+def degraded(url: str) -> bool:
+    """Whether `/health` says 200 "degraded": some engine lost, the rest serving."""
+    r = httpx.get(url + "/health", timeout=2)
+    return r.status_code == 200 and r.json()["status"] == "degraded"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

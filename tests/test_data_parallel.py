@@ -22,7 +22,7 @@ from subway.scheduler.block_manager import BlockManager
 from subway.tools.proc_title import parse, title
 
 from reference import hf_greedy
-from serving import Server, complete, per_engine, until
+from serving import Server, complete, degraded, per_engine, until
 
 # ------------------------------------------------------------------ config
 
@@ -206,11 +206,7 @@ def test_one_engine_lost_under_load_the_other_serves_on(tiny_models):
         failed = [o for o in outcomes if not isinstance(o, str)]
         assert 0 < len(failed) < 8, outcomes  # engine 1's failed, engine 0's finished
 
-        def degraded() -> bool:
-            r = httpx.get(s.url + "/health", timeout=2)
-            return r.status_code == 200 and r.json()["status"] == "degraded"
-
-        until(degraded, 20)
+        until(lambda: degraded(s.url), 20)
         states = httpx.get(s.url + "/health", timeout=2).json()["engines"]
         assert states[0]["state"] == "serving" and "died" in states[1]["state"]
         for i in range(4):  # every request goes to the engine that serves

@@ -24,7 +24,7 @@ from subway.worker.kv_cache import allocate_kv_cache
 from subway.worker.kv_share import Importer, SharedKvCache, layout_of, segment_name
 
 from reference import hf_greedy
-from serving import Server, complete, free_port, per_engine, until
+from serving import Server, complete, degraded, free_port, per_engine, until
 
 BS = 4
 
@@ -304,11 +304,7 @@ def test_with_the_prefill_engine_lost_the_decode_engine_serves_alone(tiny_models
                       and parse(c.cmdline())["kind"] == "worker")  # fmt: skip
         victim.kill()
 
-        def degraded() -> bool:
-            r = httpx.get(s.url + "/health", timeout=2)
-            return r.status_code == 200 and r.json()["status"] == "degraded"
-
-        until(degraded, 20)
+        until(lambda: degraded(s.url), 20)
         prompt = [(3 * i) % 500 + 40 for i in range(30)]
         want = AutoTokenizer.from_pretrained(path).decode(hf_greedy(path, prompt, 6).tokens)
         assert complete(s.url, prompt, 6) == want
