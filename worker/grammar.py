@@ -34,11 +34,14 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from subway.ipc.messages import JSON_OBJECT_SCHEMA, Grammar
+
+if TYPE_CHECKING:  # imported where a grammar is first used: 2 s of a worker's start
+    import xgrammar as xgr
 
 _POOL_THREADS = 2  # compiles in flight at once; each compile has its own threads below
 _COMPILER_THREADS = min(4, os.cpu_count() or 1)
@@ -84,6 +87,8 @@ class TokenMask:
         ):
             self.ext.apply_token_bitmask(scores, self.bitmask, self.rows)
             return
+        import xgrammar as xgr  # imported once, by the first grammar (TYPE_CHECKING above)
+
         xgr.apply_token_bitmask_inplace(
             scores, self.bitmask, vocab_size=scores.shape[1], indices=self.rows
         )
@@ -108,6 +113,8 @@ class GrammarStep:
 
     def accept(self, tokens: list[int]) -> None:
         """Advance every masked row's matcher by its token (`tokens` in row order), at once."""
+        import xgrammar as xgr
+
         states = self.states
         chosen = [tokens[r] for r in self.mask.rows]
         ok = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], chosen)
@@ -193,6 +200,8 @@ class Grammars:
     def prepare(self, seq_ids: list[int]) -> GrammarStep | None:
         """The mask of this step's sampling rows (`seq_ids` in row order), or None when no
         row is constrained. Joins pending compiles; GrammarError if one failed."""
+        import xgrammar as xgr
+
         seqs = self.seqs
         rows: list[int] = []
         states: list[_Constrained] = []
@@ -228,6 +237,8 @@ class Grammars:
     def _mask_rows(self, n: int) -> torch.Tensor:
         """The host bitmask, allocated on first use with `max_rows` rows (more if asked)."""
         if self._host_mask is None or self._host_mask.shape[0] < n:
+            import xgrammar as xgr
+
             rows = max(n, self.max_rows)
             host = xgr.allocate_token_bitmask(rows, self.vocab_size)
             if self.device.type == "cuda":
@@ -244,6 +255,7 @@ class Grammars:
         """The worker's compiler, built once from the model's tokenizer (off the step's path)."""
         with self._compiler_lock:
             if self._compiler is None:
+                import xgrammar as xgr
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
