@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test test-all lint bench
 
 install:
 	$(PIP) torch==2.13.0
@@ -12,7 +12,12 @@ install:
 serve: install
 	subway serve --demo
 
+# The default run leaves out the tests marked slow (the default model through several
+# engines, the other tiny archs of a feature already covered, the soak); test-all runs all.
 test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -q
 
 lint:

@@ -426,6 +426,7 @@ def test_soak_length_check() -> None:
     assert not length_ok(free, Outcome("ok", "stop", 8))
 
 
+@pytest.mark.slow
 def test_soak_small_run_against_serve(tiny_models, tmp_path) -> None:
     """The soak end to end, small: every bar but RSS growth (a full-size figure) holds."""
     from subway.tools.bench import soak

@@ -24,6 +24,9 @@ from subway.tools.proc_title import parse, title
 from reference import hf_greedy
 from serving import Server, complete, degraded, per_engine, until
 
+# The other tiny arch and the default model run in the whole run (`make test-all`).
+SLOW_ARCHS = [pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "default")]
+
 # ------------------------------------------------------------------ config
 
 
@@ -132,7 +135,7 @@ def test_the_router_prefers_the_prefix_then_the_least_loaded():
 # ------------------------------------------------------------------ served
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "default"])
+@pytest.mark.parametrize("arch", ["llama", *SLOW_ARCHS])
 def test_two_engines_equal_transformers(tiny_models, default_model, arch):
     """Many requests in flight over both engines, prompts chunked (a 24-token budget), and
     served again from the prefix cache in a second wave."""

@@ -26,6 +26,9 @@ from subway.worker.kv_share import Importer, SharedKvCache, layout_of, segment_n
 from reference import hf_greedy
 from serving import Server, complete, degraded, free_port, per_engine, until
 
+# The other tiny arch and the default model run in the whole run (`make test-all`).
+SLOW_ARCHS = [pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "default")]
+
 BS = 4
 
 
@@ -216,7 +219,7 @@ PD = ["--prefill-engines", "1", "--decode-engines", "1", "--threads", "1",
       "--max-num-batched-tokens", "24", "--block-size", "8", "--num-kv-blocks", "256"]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "default"])
+@pytest.mark.parametrize("arch", ["llama", *SLOW_ARCHS])
 def test_prefill_then_decode_equals_transformers(tiny_models, default_model, arch):
     """Many requests in flight, prompts chunked on the prefill engine (a 24-token budget),
     a second wave served from the prefill engine's prefix cache; the prompts' blocks

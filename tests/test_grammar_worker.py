@@ -99,6 +99,7 @@ def test_regex_greedy_and_sampled_match_where_unconstrained_does_not(llm):
     assert again.token_ids == outs[1].token_ids
 
 
+@pytest.mark.slow
 def test_json_schema_output_validates_where_unconstrained_does_not(llm):
     prompt = _chat(llm, USER_ASK)
     schema = Grammar("json_schema", json.dumps(SCHEMA))

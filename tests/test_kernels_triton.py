@@ -235,6 +235,7 @@ def test_write_kv(kt, dtype):
         assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90(tmp_path):
     """Triton's real compiler (ptxas ships with Triton: no GPU needed) takes every kernel.
 
@@ -422,7 +423,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize(
-    "arch,emulate_graphs", [("llama", False), ("llama", True), ("qwen3", True)]
+    "arch,emulate_graphs",
+    [("llama", False), ("llama", True), pytest.param("qwen3", True, marks=pytest.mark.slow)],
 )
 def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_graphs):
     """The real scheduler and runner, every kernel forced to Triton (interpreted): greedy = HF.

@@ -229,6 +229,7 @@ def test_greedy_output_agrees_with_a_full_precision_cache(tiny_models, arch, dty
         assert stats.spec_accepted_tokens_total > 0
 
 
+@pytest.mark.slow
 @needs_ext
 def test_default_model_agrees_with_a_bfloat16_cache(default_model):
     """The real model, bfloat16, head_dim 64, against a bfloat16 cache. Greedy: any

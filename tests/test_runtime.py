@@ -63,7 +63,7 @@ def test_overlap_equals_sync_with_stops_aborts_and_chunks(tiny_models):
 # ------------------------------------------------------------------ tensor parallelism
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_tensor_parallel_serve_equals_transformers(tiny_models, arch):
     from transformers import AutoTokenizer
 

@@ -60,7 +60,9 @@ def _mqa_llama(root: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mqa", "default"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mqa", pytest.param("default", marks=pytest.mark.slow)]
+)
 def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch):
     """`default` is SmolLM2-135M: 9 query heads in 3 KV groups, split unevenly (2 + 1)."""
     from test_model_equality import _random_prompts, hf_greedy

@@ -4,7 +4,8 @@
 //
 // Same answer as torch.argmax on the widened rows for rows without NaN: the first index of
 // the largest value (bfloat16 logits tie often, so the order of ties matters).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <limits>

@@ -4,7 +4,8 @@
 // Its own CPU kernel tests every bit; here a word with every bit set (all 32 allowed) is
 // skipped and a word of zeros (none allowed: most of a JSON grammar's vocabulary) is one
 // fill, so a step's mask costs about a pass over the masked rows.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <limits>

@@ -5,7 +5,8 @@
 // They round where Hugging Face's eager code rounds: every intermediate that transformers
 // holds in the model dtype is rounded to it here too (`rnd`), so bfloat16 results match the
 // reference bit for bit except where a float32 sum's order differs (the RMS mean).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
