@@ -117,6 +117,9 @@ def test_refusals_write_nothing(tmp_path):
         ):
             answer, _ = plane.run(dst, msg)
             assert not answer.ok and words in answer.error, answer.error
+        keyless = Fetches(Sockets(plane.ctx, IpcConfig()), zmq.Poller(), 0, 1)
+        answer = keyless.start(dst, KvImport(7, plane.addr, [1], [0]), 0.0)
+        assert not answer.ok and "--curve-key-file" in answer.error  # refused, not raised
         other = caches(10, heads=1)  # another layout: refused when the header comes
         answer, _ = plane.run(other, KvImport(6, plane.addr, [1], [0]))
         assert not answer.ok and "another layout" in answer.error

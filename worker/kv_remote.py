@@ -169,7 +169,11 @@ class Fetches:
         addr = msg.source.split(",")[self.rank]
         sock = self._socks.get(addr)
         if sock is None:
-            sock = self._socks[addr] = self.socks.connect(zmq.DEALER, addr)
+            try:  # no key file here (ValueError), a bad host name (ZMQError), ...
+                sock = self.socks.connect(zmq.DEALER, addr)
+            except (ValueError, OSError, zmq.ZMQError) as e:
+                return KvImported(msg.import_id, self.rank, False, 0.0, f"{addr}: {e}")
+            self._socks[addr] = sock
             self.poller.register(sock, zmq.POLLIN)
         self._ask(_Fetch(msg, addr, sock, now), caches)
         return None
