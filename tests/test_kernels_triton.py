@@ -424,7 +424,10 @@ PROMPTS = [
 
 @pytest.mark.parametrize(
     "arch,emulate_graphs",
-    [("llama", False), ("llama", True), pytest.param("qwen3", True, marks=pytest.mark.slow)],
+    [
+        ("llama", False),
+        *(pytest.param(a, True, marks=pytest.mark.slow) for a in ("llama", "qwen3")),
+    ],
 )
 def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_graphs):
     """The real scheduler and runner, every kernel forced to Triton (interpreted): greedy = HF.

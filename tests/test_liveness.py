@@ -88,6 +88,7 @@ def test_a_stopped_worker_is_detected_and_serve_exits_non_zero(tiny_models):
     assert until(lambda: not s.shm_files(), 5) < 5
 
 
+@pytest.mark.slow
 def test_sigterm_to_every_process_at_once_still_drains(tiny_models):
     """systemd's default (KillMode=control-group): SIGTERM reaches the launcher, frontend,
     scheduler and workers together. Nothing in flight may end with an error."""
@@ -124,6 +125,7 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen]) -> None:
     until(healthy, 120)
 
 
+@pytest.mark.slow
 def test_workers_reattach_to_a_restarted_frontends_prompts(tiny_models):
     """Per-process mode: a new frontend makes a new prompt buffer; the workers must read
     prompts from it (not from the old, unlinked segment they still map)."""
@@ -164,6 +166,7 @@ def test_workers_reattach_to_a_restarted_frontends_prompts(tiny_models):
     assert until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
 
 
+@pytest.mark.slow
 def test_port_probes_on_every_internal_port_disturb_nothing(tiny_models):
     """A port scanner or a load balancer's health probe connects and closes at once."""
     ports = {name: free_port() for name in ("scheduler", "frontend", "plan", "result")}

@@ -92,6 +92,7 @@ def _key_file(tmp_path, mode: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_the_key_from_a_file_or_the_environment(tiny_models, tmp_path, monkeypatch):
     for flags, env in ((["--api-key-file", _key_file(tmp_path, 0o600)], None), ([], "file-key")):
         if env is not None:

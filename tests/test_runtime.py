@@ -158,7 +158,10 @@ def _load(server: Server):
     return one
 
 
-@pytest.mark.parametrize("victim", ["worker", "scheduler", "frontend"])
+@pytest.mark.parametrize(
+    "victim",
+    ["worker", *(pytest.param(v, marks=pytest.mark.slow) for v in ("scheduler", "frontend"))],
+)
 def test_kill_9_during_load(tiny_models, victim):
     s = Server(tiny_models["llama"], "--served-model-name", "x", "--num-kv-blocks", "256",
                "--max-model-len", "2048")  # fmt: skip
@@ -210,7 +213,7 @@ def _start_one_by_one(model: str, run_id: str) -> tuple[list[subprocess.Popen], 
     raise AssertionError("not healthy")
 
 
-@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+@pytest.mark.parametrize("victim", ["worker", pytest.param("scheduler", marks=pytest.mark.slow)])
 def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim):
     """No `serve` supervising: the processes themselves notice a death and say so."""
     run_id = f"f{victim[0]}{free_port()}"
@@ -258,7 +261,7 @@ def test_survivors_notice_a_dead_process_without_a_launcher(tiny_models, victim)
     assert until(lambda: not [f for f in os.listdir("/dev/shm") if run_id in f], 5) < 5
 
 
-@pytest.mark.parametrize("timeout", [1.0, 0.0])
+@pytest.mark.parametrize("timeout", [1.0, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_sigterm_drains_then_aborts(tiny_models, timeout):
     """SIGTERM: new requests get 503, in-flight ones may finish for --shutdown-timeout
     seconds, the rest end with finish_reason "abort", and everything exits cleanly."""
@@ -313,6 +316,7 @@ def test_llm_generate_text_and_ids_agree_with_transformers(tiny_models):
         assert i.text is None and t.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_run_folders_are_private_and_a_named_one_is_never_deleted(tiny_models, tmp_path):
     """The default run folder is made 0700 and removed at the end; a folder the user names
     keeps everything but our sockets; one that others may write to is refused."""

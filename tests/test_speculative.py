@@ -297,6 +297,7 @@ def test_seeded_samples_equal_one_token_at_a_time(tiny_models):
         assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_default_model_greedy_with_speculation(default_model):
     """A repetition-heavy prompt (copy a text), batched with others: token for token what
     decoding without drafts gives, and transformers (up to a verified near-tie)."""
@@ -328,6 +329,7 @@ def test_default_model_greedy_with_speculation(default_model):
     assert s.spec_accepted_tokens_total >= 10  # the copied text is found and accepted
 
 
+@pytest.mark.slow
 def test_served_with_two_ranks_and_counted_on_metrics(tiny_models):
     """Every process, real sockets: two tensor-parallel ranks verify drafts alike (rank 0's
     samples, shared memory for the tokens), the greedy output is transformers', per-token

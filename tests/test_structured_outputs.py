@@ -465,6 +465,7 @@ def test_compiles_are_counted_and_repeats_come_from_the_cache(server, client):
     assert by_result["cold"] >= 1 and by_result["cached"] >= 1
 
 
+@pytest.mark.slow
 def test_a_grammar_slower_than_the_limit_is_a_400(default_model):
     """A schema not compiled before takes milliseconds; the limit here is 1 ms."""
     s = Server(default_model, "--served-model-name", MODEL, "--grammar-timeout", "0.001")

@@ -296,11 +296,17 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
         lost: set[int] = set()  # engines stopped after one of their processes died
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
+            # Killed by a signal first: within one poll a process's peers may have exited
+            # too (code 1, on noticing it), and the cause is what to name.
+            dead.sort(key=lambda d: d[1] >= 0)
             fatal = [d for d in dead if not many or engine_of.get(d[0]) not in lost]
             for name, rc in fatal:
                 i = engine_of.get(name)
                 if not many or i is None or len(lost | {i}) == len(engines):
-                    print(f"subway: {name} exited with code {rc}; stopping", file=sys.stderr)
+                    also = "".join(
+                        f" ({n} exited with code {c} too)" for n, c in fatal if n != name
+                    )
+                    print(f"subway: {name} exited with code {rc}{also}; stopping", file=sys.stderr)
                     code = 1
                     break
                 # One engine of several: stop the rest of it; the others serve on.
