@@ -284,6 +284,7 @@ def test_blocks_cross_as_zeromq_frames_as_between_hosts(tiny_models):
         assert s.stop() == 0
 
 
+@pytest.mark.slow
 def test_without_a_prefix_cache_the_decode_engine_recomputes(tiny_models):
     path = tiny_models["llama"]
     s = Server(path, *PD, "--no-prefix-caching")

@@ -115,6 +115,7 @@ def test_json_schema_output_validates_where_unconstrained_does_not(llm):
         jsonschema.validate(json.loads(free), SCHEMA)
 
 
+@pytest.mark.slow
 def test_json_object_output_is_an_object(llm):
     """Any object: a small model may ramble inside one (any whitespace, any keys) until
     max_tokens, so those only have to be an object so far; greedy must end."""
