@@ -203,6 +203,8 @@ class Fetches:
     def on_events(self, events: dict, caches: list[KVCache], now: float) -> list[KvImported]:
         """Take the answers that came; the imports they end (made or failed), and those
         whose time ran out."""
+        if not self._pending and not any(s in events for s in self._socks.values()):
+            return []  # the usual turn; a late answer must still be read (else it polls on)
         answers: list[KvImported] = []
         for sock in self._socks.values():
             if sock not in events:
