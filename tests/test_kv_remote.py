@@ -205,3 +205,21 @@ def test_malformed_answers_and_asks_are_counted_not_fatal(tmp_path):
     finally:
         client.close(linger=0)
         plane.close()
+
+
+def test_kv_addr_names_each_rank_and_engine_apart_and_a_bad_one_is_refused():
+    from subway.ipc.config import EngineConfig
+
+    c = EngineConfig.build(kv_addr="tcp://127.0.0.1:7000", prefill_engines=2,
+                           decode_engines=1, tensor_parallel_size=2)  # fmt: skip
+    # Rank r of engine i: PORT + i + r x 3 engines; no two ranks of the three meet.
+    assert c.engine(0).kv_source == "tcp://127.0.0.1:7000,tcp://127.0.0.1:7003"
+    assert c.engine(1).kv_source == "tcp://127.0.0.1:7001,tcp://127.0.0.1:7004"
+    one_host = EngineConfig.build()
+    assert one_host.kv_source == one_host.ipc.kv_source  # its shm prefix
+    from subway.ipc import curve
+
+    assert curve.needs_curve(c.ipc)  # the KV plane is tcp: a key file is needed
+    for bad in ("ipc:///tmp/x", "tcp://host", "tcp://a b:1", "tcp://h:1;rm"):
+        with pytest.raises(ValueError, match="--kv-addr"):
+            EngineConfig.build(kv_addr=bad)
