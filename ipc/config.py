@@ -169,7 +169,7 @@ class ServerConfig:
                            '"off": none')  # fmt: skip
 
 
-_KV_ADDR = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")
+KV_ADDR_RE = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class IpcConfig:
             _set(self, "run_id", _new_run_id())
         if not self.run_dir:
             _set(self, "run_dir", os.path.join(tempfile.gettempdir(), f"subway-{self.run_id}"))
-        if self.kv_addr and not _KV_ADDR.fullmatch(self.kv_addr):
+        if self.kv_addr and not KV_ADDR_RE.fullmatch(self.kv_addr):
             raise ValueError(f"--kv-addr must be tcp://HOST:PORT, not {self.kv_addr[:80]!r}")
         d = self.run_dir
         for name in ("scheduler", "frontend", "plan", "result"):

@@ -22,7 +22,6 @@ written after its `KvImported` went out. Fetches larger than one message may be
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 
@@ -30,16 +29,16 @@ import msgspec
 import torch
 import zmq
 
+from subway.ipc.config import KV_ADDR_RE
 from subway.ipc.messages import KvBlocks, KvFetch, KvImport, KvImported, KvLayout
 from subway.ipc.sockets import Sockets
-from subway.worker.kv_share import layout_of
+from subway.worker.kv_share import KV_DTYPES, layout_of
 from subway.worker.model import KVCache
 
 # Well inside the scheduler's IMPORT_TIMEOUT_S (10 s), after which the request goes on
 # without the copy: every rank's answer (made or failed) comes before the scheduler lets
 # go of the destination blocks.
 FETCH_TIMEOUT_S = 8.0
-TCP_SOURCE_RE = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")
 MAX_SOURCE_RANKS = 64
 FRAME_SLACK = 4096  # room in a message for CurveZMQ's framing (ZMQ_MAXMSGSIZE counts it)
 
@@ -54,13 +53,8 @@ def is_remote(source: str) -> bool:
 
 
 def block_bytes(layout: KvLayout) -> int:
-    itemsize = torch.empty(0, dtype=_dtype(layout.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=KV_DTYPES[layout.dtype]).element_size()
     return layout.block_size * layout.num_kv_heads * layout.width * itemsize
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "int8": torch.int8}[name]  # fmt: skip
 
 
 class KvServer:
@@ -180,7 +174,7 @@ class Fetches:
 
     def _check(self, caches: list[KVCache], msg: KvImport) -> str:
         addrs = msg.source.split(",")
-        if len(addrs) > MAX_SOURCE_RANKS or not all(TCP_SOURCE_RE.fullmatch(a) for a in addrs):
+        if len(addrs) > MAX_SOURCE_RANKS or not all(KV_ADDR_RE.fullmatch(a) for a in addrs):
             return f"not a KV source: {msg.source[:80]!r}"
         if len(addrs) != self.world:
             return f"a source of {len(addrs)} ranks for {self.world} here"

@@ -32,7 +32,7 @@ from subway.worker.model import KVCache
 
 HEADER_BYTES = 4096
 SOURCE_RE = re.compile(r"subway_[A-Za-z0-9_.-]{1,64}")  # an engine's shm prefix, nothing else
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int8": torch.int8}  # fmt: skip
 
 
@@ -45,7 +45,7 @@ def segment_name(source: str, rank: int) -> str:
 
 
 def _views(buf: memoryview, layout: KvLayout) -> list[KVCache]:
-    dtype = _DTYPES[layout.dtype]
+    dtype = KV_DTYPES[layout.dtype]
     shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.width)
     n = layout.cache_elems
     flat = torch.frombuffer(buf, dtype=dtype, offset=HEADER_BYTES, count=2 * layout.num_layers * n)
@@ -58,7 +58,7 @@ class SharedKvCache:
     resource tracker if the process dies)."""
 
     def __init__(self, name: str, layout: KvLayout) -> None:
-        itemsize = torch.empty(0, dtype=_DTYPES[layout.dtype]).element_size()
+        itemsize = torch.empty(0, dtype=KV_DTYPES[layout.dtype]).element_size()
         size = HEADER_BYTES + 2 * layout.num_layers * layout.cache_elems * itemsize
         self.name = name
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
@@ -95,7 +95,7 @@ def allocate(
         )  # fmt: skip
         return caches, None
     width, elem = kv_slot_layout(head_dim, dtype, kv_int8)
-    name = {v: k for k, v in _DTYPES.items()}[elem]
+    name = {v: k for k, v in KV_DTYPES.items()}[elem]
     layout = KvLayout(num_layers, num_blocks, block_size, num_kv_heads, width, name)
     shared = SharedKvCache(segment_name(source, rank), layout)
     return shared.caches, shared
@@ -103,7 +103,7 @@ def allocate(
 
 def layout_of(caches: list[KVCache]) -> KvLayout:
     k = caches[0][0]
-    name = {v: n for n, v in _DTYPES.items()}[k.dtype]
+    name = {v: n for n, v in KV_DTYPES.items()}[k.dtype]
     return KvLayout(len(caches), k.shape[0], k.shape[1], k.shape[2], k.shape[3], name)
 
 
@@ -129,9 +129,9 @@ class Source:
             self.layout = msgspec.json.decode(raw, type=KvLayout)
         except msgspec.DecodeError as e:
             raise KvShareError(f"KV source {name!r}: a bad header ({e})") from None
-        itemsize = torch.empty(0, dtype=_DTYPES.get(self.layout.dtype, torch.int8)).element_size()
+        itemsize = torch.empty(0, dtype=KV_DTYPES.get(self.layout.dtype, torch.int8)).element_size()
         need = HEADER_BYTES + 2 * self.layout.num_layers * self.layout.cache_elems * itemsize
-        if self.layout.dtype not in _DTYPES or size < need:
+        if self.layout.dtype not in KV_DTYPES or size < need:
             raise KvShareError(f"KV source {name!r}: its header does not match its size")
         with warnings.catch_warnings():  # torch warns of a buffer it may not write: by design
             warnings.simplefilter("ignore", UserWarning)
