@@ -48,6 +48,12 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
 )  # fmt: skip
 ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("num_preemptions", "Preemptions by recompute.", lambda s: s.num_preempted_total),
+    ("num_displaced", "Preemptions of a running request for a waiting one that found no "
+     "seat or blocks (priority, edf).", lambda s: s.num_displaced_total),
+    ("slo_waits", "edf: steps a waiting chat let a batch request keep its seat, its TTFT "
+     "deadline still reachable.", lambda s: s.slo_waits_total),
+    ("chunk_capped_steps", "edf with --slo-tpot-ms: steps whose batch prefill chunks were "
+     "shrunk to keep the step under the TPOT SLO.", lambda s: s.chunk_capped_steps_total),
     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
      lambda s: s.prefix_cache_hits_total),
     ("prefix_cache_queries", "Prompt tokens looked up.", lambda s: s.prefix_cache_queries_total),

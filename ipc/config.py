@@ -89,6 +89,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(512, "tokens in one step at most (the token budget)")
     policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
     static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")
+    slo_ttft_ms: float = opt(1000.0, "--policy edf: a chat's TTFT SLO when its request names none")
+    slo_tpot_ms: float = opt(
+        0.0, "--policy edf: while chats are live, keep steps under this time per output "
+        "token by shrinking batch prefill chunks (0: no cap)"
+    )  # fmt: skip
+    late_planning: bool = opt(
+        True, "with overlap, plan step N+1 just before step N should end (not as it starts), "
+        "so that requests arriving during N join N+1", flag="--no-late-planning"
+    )  # fmt: skip
     overlap: bool = opt(True, "plan step N+1 while N runs", flag="--no-overlap")
     speculative_config: str = opt(
         "", 'speculative decoding, JSON as vLLM spells it: {"method": "ngram", '

@@ -389,6 +389,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     worker_idle_time_total: float = 0.0  # seconds rank 0 waited for a plan between steps
     scheduler_time_total: float = 0.0  # seconds spent in schedule()
     ipc_rejected_total: int = 0  # messages the scheduler and the workers refused
+    # SLO-aware scheduling (`--policy edf`): running requests preempted for a waiting one,
+    # steps a waiting chat waited (its slack allowed) instead, steps the TPOT cap shrank.
+    num_displaced_total: int = 0
+    slo_waits_total: int = 0
+    chunk_capped_steps_total: int = 0
     # Speculative decoding: steps that carried a draft, draft tokens proposed, and accepted.
     spec_num_drafts_total: int = 0
     spec_draft_tokens_total: int = 0

@@ -14,6 +14,16 @@ Executors:
   offline `LLM`, benchmarks and tests;
 - test doubles (a fake worker that checks every plan, a null one for timing).
 
+Late planning (`late_planning`, the scheduler process's default with
+overlap): plan N+1 is made not as soon as N is sent but just before N should
+end, by the scheduler's `StepCost` (at 85% of its predicted time, less the
+time a plan takes to make), so that a request arriving while N runs joins N+1
+instead of N+2: at light load that is one step less before its first token.
+If N ends sooner, its result wakes the loop and N+1 is made at once (a step
+without overlap). It waits only while a seat is free (else no arrival could
+join) and once the cost model has seen a few steps. `wake_in()` tells the loop
+how long it may block.
+
 An in-process executor (a `LazyExecutor`) runs nothing at `submit`: `collect`
 runs its oldest plan and returns that one result, so an overlapped plan is made exactly as the
 scheduler process makes it, before the result of the step before.
@@ -56,14 +66,28 @@ class LazyExecutor:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, depth: int = 2) -> None:
+    LATE_FRACTION = 0.85  # of the step in flight's predicted time, when the next plan is made
+    LATE_LEAD_S = 0.002  # and this much earlier, with twice the last plan's making time
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        depth: int = 2,
+        late_planning: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if depth not in (1, 2):
             raise ValueError(f"overlap depth {depth}: 1 (synchronous) or 2 (overlapped)")
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth
-        self._sent: deque[float] = deque()  # perf_counter() when each plan in flight left
+        self.late_planning = late_planning and depth == 2
+        self.clock = clock
+        # For each plan in flight: clock() when it left, and the tokens it computes.
+        self._sent: deque[tuple[float, int]] = deque()
         self._last_result_at = 0.0
+        self._plan_at: float | None = None  # late planning: when the next plan is due
 
     @property
     def idle(self) -> bool:
@@ -82,9 +106,11 @@ class EngineCore:
         sched = self.scheduler
         deltas: list[RequestDelta] = []
         for result, tokens in self.executor.collect():
-            now = time.perf_counter()
-            sent = self._sent.popleft() if self._sent else now
-            sched.stats.last_step_time = now - max(sent, self._last_result_at)
+            now = self.clock()
+            sent, num_tokens = self._sent.popleft() if self._sent else (now, 0)
+            step_time = now - max(sent, self._last_result_at)
+            sched.stats.last_step_time = step_time
+            sched.step_cost.observe(num_tokens, step_time)
             self._last_result_at = now
             deltas += sched.process_result(result, tokens)
         if sched.has_pending_deltas:
@@ -95,14 +121,35 @@ class EngineCore:
         """Plan and submit while fewer than `depth` plans are in flight; how many went."""
         sched = self.scheduler
         n = 0
+        self._plan_at = None
         while sched.num_inflight_plans < self.depth:
+            if self.late_planning and sched.num_inflight_plans:
+                due = self._due()
+                if due is not None and self.clock() < due:
+                    self._plan_at = due
+                    break
             plan = sched.schedule()
             if plan is None:
                 break
             self.executor.submit(plan)
-            self._sent.append(time.perf_counter())
+            self._sent.append((self.clock(), sched.stats.last_num_batched_tokens))
             n += 1
         return n
+
+    def wake_in(self) -> float | None:
+        """Seconds until a plan is due (late planning), or None if none waits on time."""
+        return None if self._plan_at is None else max(0.0, self._plan_at - self.clock())
+
+    def _due(self) -> float | None:
+        """When to make the next plan while one runs (late planning); None: now."""
+        sched = self.scheduler
+        cost = sched.step_cost
+        if not cost.ready or not self._sent or sched.num_running >= sched.max_num_seqs:
+            return None
+        sent, num_tokens = self._sent[-1]
+        started = max(sent, self._last_result_at)
+        lead = self.LATE_LEAD_S + 2.0 * sched.stats.last_schedule_time
+        return started + self.LATE_FRACTION * cost.predict(num_tokens) - lead
 
     def run(
         self,

@@ -76,6 +76,10 @@ class Planner:
         self._steps: list[SeqStep] = []
         self._requeue: list[Request] = []
         self._released = 0
+        # The policy's cap on a step's tokens once a batch prefill chunk joins it (None: no
+        # cap), and whether it cut one in this plan.
+        self._cap: int | None = None
+        self._capped = False
 
     def schedule(self) -> Plan | None:
         """The next step's plan, or None if nothing can be scheduled now."""
@@ -86,11 +90,12 @@ class Planner:
         running = sched.compact_running()
         policy = sched.policy
         waiting = sched.waiting
-        if waiting:
-            if policy.dynamic and len(waiting) > 1:
-                policy.refresh(sched.clock())
-                waiting.sort(key=policy.key)
-            policy.begin_step(waiting, sched.num_running, self.max_num_seqs)
+        if waiting and policy.dynamic and len(waiting) > 1:
+            policy.refresh(sched.clock())
+            waiting.sort(key=policy.key)
+        policy.begin_step(sched)
+        self._cap = policy.batch_chunk_cap()
+        self._capped = False
         bm = sched.block_manager
         claimed = bm.claimed
         bs = bm.block_size
@@ -163,6 +168,8 @@ class Planner:
                 step, budget, prefills, new_seqs, len(sched.preempted_ids) == num_preempted_before
             )
 
+        if self._capped:
+            stats.chunk_capped_steps_total += 1
         if self._requeue:
             for req in self._requeue:
                 sched.enqueue(req)
@@ -228,6 +235,8 @@ class Planner:
             remaining = req.length + req.num_inflight - pos
             sid = req.seq_id
             n = remaining if remaining < budget else budget
+            if self._cap is not None and req.slo_class == "batch":
+                n = self._capped_chunk(n, budget)
             fit = bm.max_new_tokens(sid)
             if fit < n:
                 if fit <= 0:  # preempt for one block at least, then take what fits
@@ -282,6 +291,8 @@ class Planner:
         remaining = total - cached
         while True:
             n = remaining if remaining < budget else budget
+            if self._cap is not None and req.slo_class == "batch":
+                n = self._capped_chunk(n, budget)
             watermark = self.watermark_blocks if sched.num_running else 0
             if bm.admission_cost(hits, n) + watermark <= bm.num_free_blocks:
                 break
@@ -312,6 +323,15 @@ class Planner:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = sched.clock()
         return _ADMITTED, budget - n
+
+    def _capped_chunk(self, n: int, budget: int) -> int:
+        """A batch chunk of `n` tokens cut to the policy's step cap (one block at least)."""
+        room = self._cap - (self.max_num_batched_tokens - budget)
+        room = max(room, self.sched.block_manager.block_size)
+        if n <= room:
+            return n
+        self._capped = True
+        return room
 
     def _take_released(self) -> int:
         n, self._released = self._released, 0
@@ -349,7 +369,12 @@ class Planner:
         ]
         if not candidates:
             return False
-        self._preempt(policy.pick_victim(candidates), step)
+        stats = self.sched.stats
+        if not policy.must_displace(req):
+            stats.slo_waits_total += 1
+            return False
+        self._preempt(policy.pick_displaced(candidates), step)
+        stats.num_displaced_total += 1
         return True
 
     def _preempt(self, req: Request, step: int) -> None:

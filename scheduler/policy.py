@@ -11,6 +11,12 @@ highest key. The optional hooks:
   Off by default; it must be a strict order (never both ways), or two
   requests could preempt each other forever.
 - `begin_step` / `can_admit`: hold admissions back (static batching).
+- `must_displace(req)` / `pick_displaced`: whether a waiting `req` that may
+  preempt should (`edf`: only when waiting for a seat would miss its
+  deadline), and whom (`edf`: the batch request with the least work to lose).
+- `batch_chunk_cap()`: the most tokens a step may hold when a batch-class
+  prefill chunk is added to it (`edf` with `--slo-tpot-ms`: the tokens a step
+  can compute within the TPOT SLO while chats are live; None: no cap).
 - `dynamic` / `refresh(now)`: for keys that change with time; the queue is
   then re-sorted every step. No policy here needs it: aging and deadlines are
   written as keys that do not move (see `SJF` and `EDF`).
@@ -27,12 +33,16 @@ within a bounded time after it (the bound is in each class's docstring, and
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from subway.scheduler.request import Request
+from subway.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from subway.scheduler.scheduler import Scheduler
 
 
 class Policy:
@@ -56,8 +66,21 @@ class Policy:
         """Whether waiting `req` may preempt running `victim` to be admitted."""
         return False
 
-    def begin_step(self, waiting: list[Request], num_running: int, max_num_seqs: int) -> None:
-        """Called at the start of each step, before anything is scheduled."""
+    def begin_step(self, sched: Scheduler) -> None:
+        """Called at the start of each step's plan, before anything is scheduled."""
+
+    def must_displace(self, req: Request) -> bool:
+        """Whether waiting `req`, which `may_preempt` some running request, should do it now
+        rather than wait for a seat or blocks to free."""
+        return True
+
+    def pick_displaced(self, candidates: Iterable[Request]) -> Request:
+        """Whom a waiting request displaces, among those `may_preempt` allows."""
+        return self.pick_victim(candidates)
+
+    def batch_chunk_cap(self) -> int | None:
+        """The most tokens this step may hold once a batch-class prefill chunk joins it."""
+        return None
 
     def can_admit(self, req: Request) -> bool:
         """Whether waiting `req` may be admitted now (skipped, not blocking, if not)."""
@@ -114,29 +137,56 @@ class SJF(Policy):
 
 
 class EDF(Policy):
-    """Earliest (TTFT) deadline first, with two classes.
+    """Earliest (TTFT) deadline first, with two classes, spending priority only as far as
+    deadlines need it.
 
     A request's deadline is its arrival time plus its `slo_ttft_ms`, or, when
     it has none, plus its class's default: `interactive_ttft_ms` for
-    `interactive`, `batch_ttft_ms` for `batch`. Interactive requests are
-    protected: a waiting interactive request may preempt a running batch one
-    with a later deadline when blocks or seats are short; batch requests fill
-    what is left. A batch request is never starved: its deadline is fixed,
-    so once new interactive arrivals have later deadlines than its own, it
-    goes first and no longer yields its seat.
+    `interactive`, `batch_ttft_ms` for `batch`. The queue and each step's
+    budget follow the deadlines, so a chat's (short) prefill goes before batch
+    chunks, and batch requests take the rest of the budget.
+
+    Slack. A waiting chat that finds no seat (or no blocks) may preempt a
+    running batch request with a later deadline, but only when waiting would
+    miss its deadline: when its slack, the deadline less now, less the time
+    until a running request should finish on its own, less its own expected
+    time to a first token, is negative (times from the scheduler's `StepCost`).
+    It then preempts the batch request with the fewest computed tokens (the
+    least work to redo). Before the cost model has seen a few steps, chats
+    preempt as soon as they find no room.
+
+    TPOT. With `tpot_ms` (`--slo-tpot-ms`), while any chat is live (waiting
+    or running), a step takes batch prefill chunks only up to the tokens that
+    `StepCost` says fit in 0.8 x `tpot_ms` (at least one block's worth per
+    chunk, so batch prompts keep moving): chats' decode steps stay under their
+    TPOT SLO (Sarathi-Serve's stall-free batching). With no chat live, batch
+    chunks take the whole budget again.
 
     Bound: a request with deadline D is never overtaken by one that arrives
-    after D (whose deadline is later, as every SLO is positive).
+    after D (whose deadline is later, as every SLO is positive). A batch
+    request is never starved: its deadline is fixed, so once new chats have
+    later deadlines than its own, it goes first and no longer yields its seat.
     """
 
     name = "edf"
     preemptive = True
+    TPOT_MARGIN = 0.8  # of the TPOT SLO that a step is planned to take: room for noise
 
-    def __init__(self, interactive_ttft_ms: float = 1000.0, batch_ttft_ms: float = 60000.0) -> None:
-        if interactive_ttft_ms <= 0 or batch_ttft_ms <= 0:
+    def __init__(
+        self,
+        interactive_ttft_ms: float = 1000.0,
+        batch_ttft_ms: float = 60000.0,
+        tpot_ms: float = 0.0,
+    ) -> None:
+        if not (interactive_ttft_ms > 0 and batch_ttft_ms > 0):
             raise ValueError("default SLOs must be positive")
+        if not tpot_ms >= 0:
+            raise ValueError("the TPOT SLO must be positive (or 0: none)")
         self.interactive_ttft_ms = interactive_ttft_ms
         self.batch_ttft_ms = batch_ttft_ms
+        self.tpot_s = tpot_ms / 1000.0
+        self._sched: Scheduler | None = None
+        self._seat_wait: float | None = None  # this step's, computed at first need
 
     def deadline(self, req: Request) -> float:
         slo = req.slo_ttft_ms
@@ -147,12 +197,51 @@ class EDF(Policy):
     def key(self, req: Request) -> tuple[float, int]:
         return (self.deadline(req), req.seq_id)
 
+    def begin_step(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._seat_wait = None
+
     def may_preempt(self, req: Request, victim: Request) -> bool:
         return (
             victim.slo_class == "batch"
             and req.slo_class != "batch"
             and self.key(victim) > self.key(req)
         )
+
+    def must_displace(self, req: Request) -> bool:
+        return self.slack(req) < 0.0
+
+    def pick_displaced(self, candidates: Iterable[Request]) -> Request:
+        return min(candidates, key=lambda r: (r.num_computed_tokens, -r.seq_id))
+
+    def slack(self, req: Request) -> float:
+        """Seconds waiting `req` can still wait for room and meet its deadline (-inf before
+        the cost model is ready: act at once)."""
+        sched = self._sched
+        if sched is None or not sched.step_cost.ready:
+            return -math.inf
+        cost = sched.step_cost
+        budget = sched.planner.max_num_batched_tokens
+        step_s = cost.predict(budget)
+        # Its prefill in chunks of at most the budget, and the step already in flight.
+        own = (-(-(req.length - req.num_computed_tokens) // budget) + 1) * step_s
+        if self._seat_wait is None:
+            decode_s = cost.predict(sched.stats.last_num_batched_tokens)
+            left = min(
+                (r.token_limit - r.length - r.num_inflight for r in sched.running
+                 if r.status is RequestStatus.RUNNING),
+                default=0,
+            )  # fmt: skip
+            self._seat_wait = max(0, left) * decode_s
+        return self.deadline(req) - sched.clock() - own - self._seat_wait
+
+    def batch_chunk_cap(self) -> int | None:
+        sched = self._sched
+        if self.tpot_s <= 0.0 or sched is None or not sched.num_interactive:
+            return None
+        if not sched.step_cost.ready:
+            return None
+        return sched.step_cost.tokens_within(self.tpot_s * self.TPOT_MARGIN)
 
 
 class Static(Policy):
@@ -172,7 +261,8 @@ class Static(Policy):
         self.window_s = window_s
         self._idle_since: float | None = None
 
-    def begin_step(self, waiting: list[Request], num_running: int, max_num_seqs: int) -> None:
+    def begin_step(self, sched: Scheduler) -> None:
+        waiting, num_running, max_num_seqs = sched.waiting, sched.num_running, sched.max_num_seqs
         if num_running or not waiting or (self.members and any(
             s.seq_id in self.members for s in waiting
         )):  # fmt: skip
@@ -200,8 +290,11 @@ POLICIES: dict[str, type[Policy]] = {
 
 def policy_options(config) -> dict[str, Any]:
     """The options a policy takes from the engine's configuration."""
-    if config.scheduler.policy == "static":
-        return {"window_s": config.scheduler.static_batch_window_ms / 1000.0}
+    sc = config.scheduler
+    if sc.policy == "static":
+        return {"window_s": sc.static_batch_window_ms / 1000.0}
+    if sc.policy == "edf":
+        return {"interactive_ttft_ms": sc.slo_ttft_ms, "tpot_ms": sc.slo_tpot_ms}
     return {}
 
 

@@ -163,6 +163,9 @@ class SchedulerLoop:
                     self._flush()
                     self._maybe_log()
                     wait = self.last_out_at + HEARTBEAT_S - time.monotonic()
+                    due = self.core.wake_in()  # late planning: the next plan's time
+                    if due is not None and due < wait:
+                        wait = due
                     timeout = max(0, min(POLL_MAX_MS, int(wait * 1000) + 1))
                 poller.poll(timeout)
         except Exception as e:
@@ -365,7 +368,10 @@ class SchedulerLoop:
             sched.leases = Leases(sched, config.kv_source)
         world = config.parallel.tensor_parallel_size
         self.imports = Imports(sched, self.workers.send_import, world) if role == "decode" else None
-        self.core = EngineCore(sched, self.workers, 2 if config.scheduler.overlap else 1)
+        sc = config.scheduler
+        self.core = EngineCore(
+            sched, self.workers, 2 if sc.overlap else 1, late_planning=sc.late_planning
+        )
         self.ready_msg = EngineReady(
             num_blocks=num_blocks,
             block_size=config.cache.block_size,

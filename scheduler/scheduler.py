@@ -23,6 +23,7 @@ from subway.scheduler.planner import Planner
 from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import Request, RequestStatus
 from subway.scheduler.settle import settle
+from subway.scheduler.slo import StepCost
 from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
 
@@ -60,12 +61,14 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.stats = SchedulerStats()
+        self.step_cost = StepCost()  # fed by the engine core as steps settle
         self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
 
         self.waiting: list[Request] = []  # sorted by policy.key
         self.running: list[Request] = []  # may hold non-running entries until compacted
         self._running_dirty = False
         self._num_running = 0
+        self.num_interactive = 0  # live requests not of the batch class (for `EDF`)
         self.by_seq: dict[int, Request] = {}  # live requests (waiting or running) by seq_id
         self._by_id: dict[str, Request] = {}  # the same, by request id
         self._next_seq_id = 0
@@ -166,6 +169,8 @@ class Scheduler:
             handoff=msg.handoff,
         )
         self._next_seq_id += 1
+        if req.slo_class != "batch":
+            self.num_interactive += 1
         self.by_seq[req.seq_id] = req
         self._by_id[msg.request_id] = req
         self.enqueue(req)
@@ -261,6 +266,8 @@ class Scheduler:
                 req.preempted = False
                 self.stats.num_preempted_waiting -= 1
         req.status = _FINISHED
+        if req.slo_class != "batch":
+            self.num_interactive -= 1
         del self.by_seq[req.seq_id]
         del self._by_id[req.request_id]
         if req.sent:

@@ -33,6 +33,9 @@ class SchedulerStats:
     last_step_time: float = 0.0
     num_failed_total: int = 0  # sequences a failed step ended with "error"
     ipc_rejected_total: int = 0  # messages refused: the scheduler's and the workers' own
+    num_displaced_total: int = 0  # running requests preempted for a waiting one (seat/blocks)
+    slo_waits_total: int = 0  # steps a waiting chat let a batch request keep its seat (slack)
+    chunk_capped_steps_total: int = 0  # steps whose batch prefill chunks the TPOT cap shrank
     spec_drafts_total: int = 0  # speculative decoding: steps of a request with a draft,
     spec_draft_tokens_total: int = 0  # the draft tokens they proposed,
     spec_accepted_tokens_total: int = 0  # and how many the worker accepted
@@ -73,6 +76,9 @@ class SchedulerStats:
             worker_idle_time_total=self.worker_idle_total,
             scheduler_time_total=self.schedule_time_total,
             ipc_rejected_total=self.ipc_rejected_total,
+            num_displaced_total=self.num_displaced_total,
+            slo_waits_total=self.slo_waits_total,
+            chunk_capped_steps_total=self.chunk_capped_steps_total,
             spec_num_drafts_total=self.spec_drafts_total,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,

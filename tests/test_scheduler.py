@@ -135,9 +135,11 @@ def drive(
     worker: FakeWorker | None = None,
     max_iters: int = 20000,
     on_plan: Callable[[int, Plan], None] | None = None,
+    on_iteration: Callable[[int], None] | None = None,
 ) -> dict[str, Out]:
     """Run until everything is done: add and abort at their iterations, keep 1 or 2 plans in
-    flight. A request's arrival_time is its iteration; `on_plan(iteration, plan)` sees each plan."""
+    flight. A request's arrival_time is its iteration; `on_plan(iteration, plan)` sees each plan;
+    `on_iteration(iteration)` is called as each begins (a clock, say)."""
     bm = sched.block_manager
     worker = worker or FakeWorker(bm.num_blocks, bm.block_size)
     depth = 2 if overlap else 1
@@ -147,6 +149,8 @@ def drive(
     outs: dict[str, Out] = {}
     core = EngineCore(sched, Checked(sched, worker, on_plan), depth)
     for it in range(max_iters):
+        if on_iteration is not None:
+            on_iteration(it)
         while arrivals and arrivals[0].arrival <= it:
             add(sched, arrivals.popleft(), arrival_time=float(it))
         while aborts and aborts[0].abort_at <= it:

@@ -107,6 +107,16 @@ def check_speculative(config: EngineConfig) -> None:
         raise SystemExit(f"subway: {e}") from None
 
 
+def check_policy(config: EngineConfig) -> None:
+    """`--policy` and its options, checked before anything starts."""
+    from subway.scheduler.policy import make_policy, policy_options
+
+    try:
+        make_policy(config.scheduler.policy, **policy_options(config))
+    except ValueError as e:
+        raise SystemExit(f"subway: --policy {config.scheduler.policy}: {e}") from None
+
+
 def check_quantization(config: EngineConfig) -> None:
     """`--quantization` and `--kv-cache-dtype`, checked before anything starts."""
     from subway.worker.quant import unsupported_reason
@@ -165,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("scheduler", "worker") and not args.config_json:
         config = one_engine(config)
     check_speculative(config)
+    check_policy(config)
     check_quantization(config)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent

@@ -1,0 +1,249 @@
+"""SLO-aware scheduling: the step cost model, EDF's slack and TPOT cap, late planning.
+
+The policy tests drive the real scheduler with the fake worker on an
+iteration clock (one iteration reads as one second) and a fixed step cost, so
+each decision can be worked out by hand; outputs still match the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import (
+    FakeWorker,
+    Req,
+    add,
+    assert_matches_reference,
+    drive,
+    make_config,
+)
+
+from subway.ipc.messages import SamplingParams
+from subway.scheduler.engine_core import EngineCore
+from subway.scheduler.policy import EDF, make_policy
+from subway.scheduler.scheduler import Scheduler
+from subway.scheduler.slo import StepCost
+
+
+class FixedCost:
+    """A step cost model that already knows: every step takes `step_s`, `per_token` each."""
+
+    ready = True
+
+    def __init__(self, step_s: float, per_token: float = 0.0) -> None:
+        self.step_s, self.per_token = step_s, per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def predict(self, tokens: int) -> float:
+        return self.step_s + self.per_token * tokens
+
+    def tokens_within(self, seconds: float) -> int:
+        return int((seconds - self.step_s) / self.per_token)
+
+
+def edf_scheduler(policy: EDF, cost, **cfg) -> tuple[Scheduler, list[int]]:
+    """A scheduler whose clock is the driver's iteration (`now[0]`)."""
+    now = [0]
+    sched = Scheduler(
+        make_config(**cfg), 256, 1024, [0], clock=lambda: float(now[0]), policy=policy
+    )
+    sched.step_cost = cost
+    return sched, now
+
+
+def run(sched, now, reqs, on_plan=None, overlap=False):
+    worker = FakeWorker(sched.block_manager.num_blocks, sched.block_manager.block_size)
+    on_iteration = lambda it: now.__setitem__(0, it)  # noqa: E731
+    outs = drive(sched, reqs, overlap, worker, on_plan=on_plan, on_iteration=on_iteration)
+    assert_matches_reference(outs, reqs, sched.max_model_len)
+    return outs
+
+
+def sp(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+class Admissions:
+    """Which request each plan admitted first (by request id), and whom it preempted."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched, self.first, self.preempted, self.plans = sched, {}, [], 0
+        self.rid: dict[int, str] = {}
+
+    def __call__(self, it, plan) -> None:
+        for rid in self.sched.request_ids():
+            self.rid.setdefault(self.sched.get(rid).seq_id, rid)
+        for ns in plan.new_seqs:
+            self.first.setdefault(self.rid[ns.seq_id], self.plans)
+        self.preempted += [self.rid[s] for s in plan.preempted]
+        self.plans += 1
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+def test_step_cost_fits_a_line_and_inverts_it():
+    cost = StepCost()
+    assert not cost.ready
+    for i in range(40):
+        tokens = 16 + (i * 37) % 500
+        cost.observe(tokens, 0.015 + 3e-4 * tokens)
+    assert cost.ready
+    assert cost.predict(100) == pytest.approx(0.045, rel=1e-3)
+    assert cost.tokens_within(0.075) == pytest.approx(200, abs=1)
+    assert cost.tokens_within(0.01) == 0  # not even an empty step fits
+
+
+def test_step_cost_keeps_its_slope_while_steps_are_alike_and_ignores_stalls():
+    cost = StepCost(per_token=1e-4)
+    for _ in range(10):
+        cost.observe(32, 0.05)
+    cost.observe(32, 120.0)  # a suspended process: no signal
+    cost.observe(0, 0.01)  # an empty step
+    assert cost.per_token == 1e-4
+    assert cost.predict(32) == pytest.approx(0.05)
+
+
+# ---------------------------------------------------------------- slack
+
+
+def test_a_chat_with_slack_waits_for_a_seat_instead_of_preempting():
+    """Two seats: a long batch job and a short chat run. A chat arriving at 2 with a 5 s SLO
+    can wait for the short one to end (3 steps of 0.1 s, its prefill 0.2 s): no preemption."""
+    sched, now = edf_scheduler(EDF(), FixedCost(0.1), max_num_seqs=2)
+    reqs = [
+        Req("batch", [1] * 8, sp(40), slo_class="batch"),
+        Req("short", [2] * 4, sp(4)),
+        Req("chat", [3] * 4, sp(3), arrival=2, slo_ttft_ms=5000),
+    ]
+    rec = Admissions(sched)
+    run(sched, now, reqs, rec)
+    assert rec.preempted == []
+    assert sched.stats.slo_waits_total > 0 and sched.stats.num_displaced_total == 0
+    assert rec.first["chat"] > rec.first["short"]
+
+
+def test_a_chat_without_slack_preempts_the_batch_job_with_least_work_to_lose():
+    """Both seats hold batch jobs with 30+ tokens to go; a chat with a 1 s SLO cannot wait.
+    It preempts the job with the fewest computed tokens (`small`), not the latest (`big`)."""
+    sched, now = edf_scheduler(EDF(), FixedCost(0.1), max_num_seqs=2)
+    reqs = [
+        Req("small", [1] * 4, sp(40), slo_class="batch"),
+        Req("big", [2] * 30, sp(40), slo_class="batch"),
+        Req("chat", [3] * 4, sp(3), arrival=3, slo_ttft_ms=1000),
+    ]
+    rec = Admissions(sched)
+    run(sched, now, reqs, rec)
+    assert rec.preempted == ["small"]
+    assert sched.stats.num_displaced_total == 1
+    assert rec.first["chat"] <= 4
+
+
+def test_before_the_cost_model_is_ready_a_chat_preempts_at_once():
+    policy = EDF()
+    sched, now = edf_scheduler(policy, StepCost(), max_num_seqs=1)
+    reqs = [Req("batch", [1] * 4, sp(40), slo_class="batch"), Req("chat", [3] * 4, sp(3), 2)]
+    rec = Admissions(sched)
+    run(sched, now, reqs, rec)
+    assert rec.preempted == ["batch"]  # the real cost model has seen under 4 steps by then
+
+
+# ---------------------------------------------------------------- the TPOT cap
+
+
+def step_tokens(sched: Scheduler, log: list[tuple[int, bool, int]]):
+    """Each plan: (its tokens, whether a chat was live, its batch-class tokens)."""
+
+    def on_plan(it, plan) -> None:
+        batch = {r.seq_id for r in sched.by_seq.values() if r.slo_class == "batch"}
+        tokens = sum(s.num_tokens for s in plan.seqs)
+        batch_tokens = sum(s.num_tokens for s in plan.seqs if s.seq_id in batch)
+        log.append((tokens, sched.num_interactive > 0, batch_tokens))
+
+    return on_plan
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tpot_cap_shrinks_batch_chunks_only_while_a_chat_is_live(overlap):
+    """Budget 64; the TPOT SLO fits 24 tokens a step (0.01 + 0.001/token within 0.8 x 42.5 ms).
+    While the chat lives, batch prefill chunks fill steps up to 24 tokens (each one block at
+    least); before and after, up to 64."""
+    policy = EDF(tpot_ms=42.5)
+    sched, now = edf_scheduler(policy, FixedCost(0.01, 0.001))
+    assert policy.batch_chunk_cap() is None  # no step begun: no cap
+    reqs = [
+        Req("batch", [1] * 150, sp(4), slo_class="batch"),
+        Req("chat", [2] * 4, sp(12), arrival=1),
+        Req("late_batch", [3] * 300, sp(4), arrival=3, slo_class="batch"),
+    ]
+    log: list[tuple[int, bool, int]] = []
+    run(sched, now, reqs, step_tokens(sched, log), overlap)
+    live = [t for t, chat, _ in log if chat]
+    # Up to 24, but a second batch prefill still gets one block (4 tokens) past the cap.
+    assert live and max(live) <= 24 + 4 and live.count(24) >= 3
+    assert max(b for t, chat, b in log if not chat) == 64
+    assert sched.stats.chunk_capped_steps_total > 0
+
+
+def test_without_a_tpot_slo_batch_chunks_take_the_whole_budget():
+    sched, now = edf_scheduler(EDF(), FixedCost(0.01, 0.001))
+    reqs = [Req("batch", [1] * 150, sp(4), slo_class="batch"), Req("chat", [2] * 4, sp(12), 1)]
+    log: list[tuple[int, bool, int]] = []
+    run(sched, now, reqs, step_tokens(sched, log))
+    assert max(t for t, chat, _ in log if chat) == 64
+    assert sched.stats.chunk_capped_steps_total == 0
+
+
+def test_edf_options_are_checked():
+    with pytest.raises(ValueError):
+        make_policy("edf", tpot_ms=-1.0)
+    with pytest.raises(ValueError):
+        make_policy("edf", interactive_ttft_ms=float("nan"))
+    from subway.tools.cli import check_policy
+
+    with pytest.raises(SystemExit, match="policy edf"):
+        check_policy(make_config(policy="edf", slo_tpot_ms=-5.0))
+    check_policy(make_config(policy="edf", slo_tpot_ms=100.0, slo_ttft_ms=500.0))
+
+
+# ---------------------------------------------------------------- late planning
+
+
+class Held:
+    """An executor that keeps its plans: nothing comes back unless `finish` is called."""
+
+    def __init__(self) -> None:
+        self.plans = []
+
+    def submit(self, plan) -> None:
+        self.plans.append(plan)
+
+    def collect(self):
+        return []
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_late_planning_lets_a_request_arriving_mid_step_join_the_next_step(late):
+    """Step 0 runs (predicted 100 ms). A request arrives at 50 ms. With late planning plan 1
+    is made at 83 ms (85% of 100 ms, less the lead) and admits it; without, plan 1 was made
+    at 0 ms and it waits for plan 2."""
+    t = [0.0]
+    sched = Scheduler(make_config(), 256, 1024, [0], clock=lambda: t[0])
+    sched.step_cost = FixedCost(0.1)
+    core = EngineCore(sched, Held(), depth=2, late_planning=late, clock=lambda: t[0])
+    add(sched, Req("first", [1] * 4, sp(20)), arrival_time=0.0)
+    assert core.plan() == (1 if late else 2)
+    if late:
+        assert core.wake_in() == pytest.approx(0.083, abs=2e-3)
+    t[0] = 0.05
+    add(sched, Req("second", [2] * 4, sp(20)), arrival_time=0.05)
+    core.plan()
+    if late:
+        assert not core.executor.plans[1:]  # not yet due
+        t[0] = 0.09
+        assert core.plan() == 1 and core.wake_in() is None
+    second = sched.get("second").seq_id
+    admitted_in = [i for i, p in enumerate(core.executor.plans) if second in
+                   [ns.seq_id for ns in p.new_seqs]]  # fmt: skip
+    assert admitted_in == ([1] if late else [])  # without: only plan 2, not made yet
