@@ -77,9 +77,10 @@ class Planner:
         self._requeue: list[Request] = []
         self._released = 0
         # The policy's cap on a step's tokens once a batch prefill chunk joins it (None: no
-        # cap), and whether it cut one in this plan.
+        # cap), whether it cut one in this plan, and the batch chunks given so far.
         self._cap: int | None = None
         self._capped = False
+        self._batch_chunks = 0
 
     def schedule(self) -> Plan | None:
         """The next step's plan, or None if nothing can be scheduled now."""
@@ -94,8 +95,9 @@ class Planner:
             policy.refresh(sched.clock())
             waiting.sort(key=policy.key)
         policy.begin_step(sched)
-        self._cap = policy.batch_chunk_cap()
+        self._cap = None
         self._capped = False
+        self._batch_chunks = 0
         bm = sched.block_manager
         claimed = bm.claimed
         bs = bm.block_size
@@ -164,6 +166,7 @@ class Planner:
 
         # 2. Prefill chunks of running requests and admissions, in policy order.
         if budget > 0 and (prefills or waiting):
+            self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget)
             budget = self._prefill_and_admit(
                 step, budget, prefills, new_seqs, len(sched.preempted_ids) == num_preempted_before
             )
@@ -237,6 +240,8 @@ class Planner:
             n = remaining if remaining < budget else budget
             if self._cap is not None and req.slo_class == "batch":
                 n = self._capped_chunk(n, budget)
+                if n == 0:
+                    continue
             fit = bm.max_new_tokens(sid)
             if fit < n:
                 if fit <= 0:  # preempt for one block at least, then take what fits
@@ -293,6 +298,8 @@ class Planner:
             n = remaining if remaining < budget else budget
             if self._cap is not None and req.slo_class == "batch":
                 n = self._capped_chunk(n, budget)
+                if n == 0:  # the step is full for batch work: later keys wait too
+                    return _BLOCKED, budget
             watermark = self.watermark_blocks if sched.num_running else 0
             if bm.admission_cost(hits, n) + watermark <= bm.num_free_blocks:
                 break
@@ -325,13 +332,17 @@ class Planner:
         return _ADMITTED, budget - n
 
     def _capped_chunk(self, n: int, budget: int) -> int:
-        """A batch chunk of `n` tokens cut to the policy's step cap (one block at least)."""
+        """A batch chunk of `n` tokens cut to the policy's step cap; the step's first batch
+        chunk gets one block at least (batch prompts keep moving), the others may get 0."""
         room = self._cap - (self.max_num_batched_tokens - budget)
-        room = max(room, self.sched.block_manager.block_size)
-        if n <= room:
-            return n
-        self._capped = True
-        return room
+        if room < self.sched.block_manager.block_size and not self._batch_chunks:
+            room = self.sched.block_manager.block_size
+        if n > room:
+            n = max(room, 0)
+            self._capped = True
+        if n:
+            self._batch_chunks += 1
+        return n
 
     def _take_released(self) -> int:
         n, self._released = self._released, 0

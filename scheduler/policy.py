@@ -78,8 +78,9 @@ class Policy:
         """Whom a waiting request displaces, among those `may_preempt` allows."""
         return self.pick_victim(candidates)
 
-    def batch_chunk_cap(self) -> int | None:
-        """The most tokens this step may hold once a batch-class prefill chunk joins it."""
+    def batch_chunk_cap(self, decode_tokens: int) -> int | None:
+        """The most tokens this step, `decode_tokens` so far, may hold once a batch-class
+        prefill chunk joins it (None: no cap)."""
         return None
 
     def can_admit(self, req: Request) -> bool:
@@ -157,10 +158,12 @@ class EDF(Policy):
 
     TPOT. With `tpot_ms` (`--slo-tpot-ms`), while any chat is live (waiting
     or running), a step takes batch prefill chunks only up to the tokens that
-    `StepCost` says fit in 0.8 x `tpot_ms` (at least one block's worth per
-    chunk, so batch prompts keep moving): chats' decode steps stay under their
-    TPOT SLO (Sarathi-Serve's stall-free batching). With no chat live, batch
-    chunks take the whole budget again.
+    `StepCost` says fit in 0.8 x `tpot_ms` (its first batch chunk one block at
+    least, so batch prompts keep moving): chats' decode steps stay under their
+    TPOT SLO (Sarathi-Serve's stall-free batching). With no chat live, or when
+    the step's decodes alone should take longer than `tpot_ms` (no cap could
+    meet it; shrinking would only slow the batch), batch chunks take the whole
+    budget again.
 
     Bound: a request with deadline D is never overtaken by one that arrives
     after D (whose deadline is later, as every SLO is positive). A batch
@@ -235,13 +238,14 @@ class EDF(Policy):
             self._seat_wait = max(0, left) * decode_s
         return self.deadline(req) - sched.clock() - own - self._seat_wait
 
-    def batch_chunk_cap(self) -> int | None:
+    def batch_chunk_cap(self, decode_tokens: int) -> int | None:
         sched = self._sched
         if self.tpot_s <= 0.0 or sched is None or not sched.num_interactive:
             return None
-        if not sched.step_cost.ready:
-            return None
-        return sched.step_cost.tokens_within(self.tpot_s * self.TPOT_MARGIN)
+        cost = sched.step_cost
+        if not cost.ready or cost.predict(decode_tokens) > self.tpot_s:
+            return None  # the decodes alone miss the SLO: shrinking batch chunks cannot help
+        return cost.tokens_within(self.tpot_s * self.TPOT_MARGIN)
 
 
 class Static(Policy):

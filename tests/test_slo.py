@@ -167,11 +167,11 @@ def step_tokens(sched: Scheduler, log: list[tuple[int, bool, int]]):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_tpot_cap_shrinks_batch_chunks_only_while_a_chat_is_live(overlap):
     """Budget 64; the TPOT SLO fits 24 tokens a step (0.01 + 0.001/token within 0.8 x 42.5 ms).
-    While the chat lives, batch prefill chunks fill steps up to 24 tokens (each one block at
-    least); before and after, up to 64."""
+    While the chat lives, batch prefill chunks fill steps up to 24 tokens (a second batch
+    prompt waits rather than go past it); before and after, up to 64."""
     policy = EDF(tpot_ms=42.5)
     sched, now = edf_scheduler(policy, FixedCost(0.01, 0.001))
-    assert policy.batch_chunk_cap() is None  # no step begun: no cap
+    assert policy.batch_chunk_cap(0) is None  # no step begun: no cap
     reqs = [
         Req("batch", [1] * 150, sp(4), slo_class="batch"),
         Req("chat", [2] * 4, sp(12), arrival=1),
@@ -180,10 +180,23 @@ def test_tpot_cap_shrinks_batch_chunks_only_while_a_chat_is_live(overlap):
     log: list[tuple[int, bool, int]] = []
     run(sched, now, reqs, step_tokens(sched, log), overlap)
     live = [t for t, chat, _ in log if chat]
-    # Up to 24, but a second batch prefill still gets one block (4 tokens) past the cap.
-    assert live and max(live) <= 24 + 4 and live.count(24) >= 3
+    assert live and max(live) <= 24 and live.count(24) >= 3
     assert max(b for t, chat, b in log if not chat) == 64
     assert sched.stats.chunk_capped_steps_total > 0
+
+
+def test_the_first_batch_chunk_gets_a_block_and_an_unreachable_slo_caps_nothing():
+    """32 chats decode (32 tokens, 42 ms by the model: over a 40 ms SLO, which nothing could
+    meet): no cap. With a 45 ms SLO the cap (26 tokens) is below the decodes: the batch
+    prompt still gets one block (4 tokens) a step, and only it."""
+    for tpot_ms, want in ((40.0, 64 - 32), (45.0, 4)):
+        sched, now = edf_scheduler(EDF(tpot_ms=tpot_ms), FixedCost(0.01, 0.001), max_num_seqs=40)
+        reqs = [Req(f"chat{i}", [2, i], sp(12)) for i in range(32)]
+        reqs += [Req(f"batch{i}", [1] * 100, sp(2), arrival=2, slo_class="batch") for i in range(2)]
+        log: list[tuple[int, bool, int]] = []
+        run(sched, now, reqs, step_tokens(sched, log))
+        batch_while_chats = [b for t, chat, b in log if chat and b]
+        assert batch_while_chats and max(batch_while_chats) == want, tpot_ms
 
 
 def test_without_a_tpot_slo_batch_chunks_take_the_whole_budget():
