@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel: its AVX-512 path and its generic path, against
+"""The compiled CPU decode-attention kernel: its AVX-512 (or AVX2) path and its generic path, against
 the PyTorch reference, over dtypes, head sizes, GQA groups and contexts that end on and off
 block boundaries."""
 
@@ -55,8 +55,66 @@ def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block
 def test_fast_path_compiled_here():
     """This machine has AVX-512 (the development VM and CI): the fast path must be built."""
     with open("/proc/cpuinfo") as f:
-        has = " avx512f " in f.read().replace("\n", " ")
+        flags = f.read().replace("\n", " ")
+    has = " avx512f " in flags
     assert ext.has_avx512() == has
+    # Without AVX-512, the AVX2 path (AVX2, FMA and F16C: every x86 CPU since 2013).
+    assert ext.has_avx2() == (not has and all(f" {x} " in flags for x in ("avx2", "fma", "f16c")))
+
+
+AVX2_CHECK = """
+import os, sys
+import numpy as np, torch
+from torch.utils import cpp_extension
+from subway.kernels import cpu_ext
+from subway.kernels.attention import build_metadata, decode_attention_torch, positions_and_slots
+
+csrc = os.path.join(os.path.dirname(cpu_ext.__file__), "csrc")
+ext = cpp_extension.load(
+    name="subway_cpu_kernels_avx2", sources=[os.path.join(csrc, f) for f in cpu_ext.SOURCES],
+    extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-ffp-contract=off"],
+    extra_ldflags=["-fopenmp"], build_directory=sys.argv[1])
+assert ext.has_avx2() and not ext.has_avx512()
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+for dtype in TOL:
+    for heads, kvh, hd in [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)]:
+        for bs in (16, 32):
+            for contexts in ([1, 15, 16, 17, 33, 64, 100, 250], [250, 17]):
+                gen = torch.Generator().manual_seed(0)
+                ctx = np.array(contexts)
+                mb = int(-(-ctx.max() // bs))
+                rng = np.random.default_rng(1)
+                tables = rng.permutation(160)[: len(ctx) * mb].reshape(len(ctx), mb)
+                tables = tables.astype(np.int32)
+                kc = torch.randn(160, bs, kvh, hd, generator=gen).to(dtype)
+                vc = torch.randn(160, bs, kvh, hd, generator=gen).to(dtype)
+                q = torch.randn(len(ctx), heads, hd, generator=gen).to(dtype)
+                ones = np.ones(len(ctx), dtype=np.int64)
+                _, slots = positions_and_slots(ones, ctx, tables, bs)
+                md = build_metadata(ones, ctx, tables, slots, bs, "cpu")
+                ref = decode_attention_torch(q.float(), kc.float(), vc.float(), md, hd**-0.5)
+                out = ext.paged_decode(q, kc, vc, torch.from_numpy(tables),
+                                       torch.from_numpy(ctx.astype(np.int32)), hd**-0.5, False)
+                torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+print("avx2 ok")
+"""
+
+
+@pytest.mark.slow
+def test_avx2_path_matches_reference(tmp_path):
+    """The AVX2 path (machines without AVX-512) is compiled out here when the machine has
+    AVX-512: build the kernels again without it, in a process of their own (two builds
+    cannot share one), and check them as above."""
+    import subprocess
+    import sys
+
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    if " avx2 " not in flags.replace("\n", " "):
+        pytest.skip("this CPU has no AVX2")
+    r = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(tmp_path)], capture_output=True,
+                       text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

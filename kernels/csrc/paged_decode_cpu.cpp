@@ -291,6 +291,125 @@ static constexpr bool kHaveAvx512 = true;
 static constexpr bool kHaveAvx512 = false;
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The AVX2 path (CPUs without AVX-512, such as AMD's before Zen 4): the AVX-512 path's
+// plan on 8 lanes, head_dim a multiple of 8 up to 128 (NC chunks of 8 floats). A work item
+// is a sequence with all its KV heads (one (sequence, KV head) each when sequences are
+// few); each block of keys, then of values, is widened to float once into a tile in L1,
+// which every query head of the item then reads: scores with one FMA chain per key and
+// an 8-key horizontal-add tree, the softmax on vectors (`softmax8`), the values with NC
+// accumulators in registers across the block.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) { return widen_bf16_8(p); }
+static inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lane j: the sum of the 8 lanes of v[j].
+static inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of `nt` (<= 8) keys, rows of the float tile `tile_row` apart, against query `qf`.
+template <int NC>
+static inline void scores8(const float* tile, int64_t tile_row, const float* qf, int64_t nt,
+                           float* out) {
+  __m256 part[8];
+  for (int64_t j = 0; j < 8; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    if (j < nt) {
+      const float* k = tile + j * tile_row;
+      for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + c * 8), _mm256_loadu_ps(k + c * 8), a);
+    }
+    part[j] = a;
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, sum_lanes8(part));
+  for (int64_t j = 0; j < nt; ++j) out[j] = sums[j];
+}
+
+template <typename T, int NC>
+static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                               const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                               int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = NC * 8;
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
+  const int64_t hp = KVH / split;                     // KV heads per item
+  const int64_t items = n * split;
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
+#pragma omp parallel num_threads(std::min<int64_t>(threads, items))
+  {
+    std::vector<float> qf(hp * G * D), tile(BS * hp * D), scores, acc(hp * G * D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < items; ++k) {
+      const int64_t s = order[k / split], h0 = (k % split) * hp;
+      const int64_t L = ctx[s];
+      const int32_t* table = tables + s * max_blocks;
+      const T* qs = q + (s * H + h0 * G) * D;
+      const __m256 vscale = _mm256_set1_ps(scale);
+      for (int64_t i = 0; i < hp * G; ++i)
+        for (int c = 0; c < NC; ++c)
+          _mm256_storeu_ps(qf.data() + i * D + c * 8, _mm256_mul_ps(load8(qs + i * D + c * 8), vscale));
+      scores.resize(hp * G * L);
+      const int64_t tr = hp * D;  // a tile row: one token's heads of this item
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t nt = std::min(BS, L - t0);
+        const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
+        for (int64_t j = 0; j < nt; ++j)
+          for (int64_t c = 0; c < hp * NC; ++c)
+            _mm256_storeu_ps(tile.data() + j * tr + c * 8, load8(kb + j * row + c * 8));
+        for (int64_t j0 = 0; j0 < nt; j0 += 8) {
+          const int64_t m = std::min<int64_t>(8, nt - j0);
+          for (int64_t hh = 0; hh < hp; ++hh)
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t i = hh * G + g;
+              scores8<NC>(tile.data() + j0 * tr + hh * D, tr, qf.data() + i * D, m,
+                          scores.data() + i * L + t0 + j0);
+            }
+        }
+      }
+      for (int64_t i = 0; i < hp * G; ++i) softmax8(scores.data() + i * L, L);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t nt = std::min(BS, L - t0);
+        const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
+        for (int64_t j = 0; j < nt; ++j)
+          for (int64_t c = 0; c < hp * NC; ++c)
+            _mm256_storeu_ps(tile.data() + j * tr + c * 8, load8(vb + j * row + c * 8));
+        for (int64_t hh = 0; hh < hp; ++hh)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = hh * G + g;
+            const float* p = scores.data() + i * L + t0;
+            float* ai = acc.data() + i * D;
+            __m256 a[NC];
+            for (int c = 0; c < NC; ++c) a[c] = _mm256_loadu_ps(ai + c * 8);
+            for (int64_t j = 0; j < nt; ++j) {
+              const __m256 pj = _mm256_set1_ps(p[j]);
+              const float* v = tile.data() + j * tr + hh * D;
+              for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + c * 8), a[c]);
+            }
+            for (int c = 0; c < NC; ++c) _mm256_storeu_ps(ai + c * 8, a[c]);
+          }
+      }
+      T* os = out + (s * H + h0 * G) * D;
+      for (int64_t i = 0; i < hp * G * D; ++i) os[i] = static_cast<T>(acc[i]);
+    }
+  }
+}
+static constexpr bool kHaveAvx2 = true;
+#else
+static constexpr bool kHaveAvx2 = false;
+#endif
+
 // The fast kernel where the machine and the head size allow, else the generic one.
 template <typename T>
 static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables,
@@ -303,6 +422,17 @@ static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables
       case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      default: break;
+    }
+  }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (!generic) switch (D) {
+      case 16: return decode_kernel_avx2<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
@@ -382,4 +512,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_supported", &small_linear_supported,
         "Whether small_linear was compiled (AVX512-BF16)");
   m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
+  m.def("has_avx2", [] { return kHaveAvx2; },
+        "Whether the AVX2 fast path was compiled (machines without AVX-512)");
 }

@@ -1,5 +1,5 @@
 // Small helpers the CPU kernels share: the softmax of decode attention (scalar, and on
-// AVX-512 vectors), the AVX-512 exp and bfloat16 widening.
+// AVX-512 or AVX2 vectors), the vector exp and bfloat16 widening.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -89,5 +89,70 @@ static inline void softmax16(float* sc, int64_t L) {
     const __mmask16 k = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1u);
     _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + t), inv));
   }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+// exp8, widen_bf16_8, softmax8: exp16, widen_bf16, softmax16 on AVX2's 8 lanes.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline __m256 widen_bf16_8(const void* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline void softmax8(float* sc, int64_t L) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sc + t));
+  float m = hmax8(vm);
+  for (int64_t i = t; i < L; ++i) m = sc[i] > m ? sc[i] : m;
+  const __m256 mm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= L; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mm));
+    vsum = _mm256_add_ps(vsum, e);
+    _mm256_storeu_ps(sc + t, e);
+  }
+  float sum = hsum8(vsum);
+  for (int64_t i = t; i < L; ++i) {
+    sc[i] = exp_nonpos(sc[i] - m);
+    sum += sc[i];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (t = 0; t + 8 <= L; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), vinv));
+  for (int64_t i = t; i < L; ++i) sc[i] *= inv;
 }
 #endif
