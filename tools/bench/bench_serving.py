@@ -130,8 +130,10 @@ async def send_one(
     rec: Record,
     t0: float,
     extra: dict[str, Any] | None = None,
+    slo_fields: bool = False,
 ) -> None:
-    """One streamed request; `extra` fields join its body (a constraint, say)."""
+    """One streamed request; `extra` fields join its body (a constraint, say). With
+    `slo_fields`, the request's `slo_class` and `slo_ttft_ms` join it too (where set)."""
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -143,6 +145,11 @@ async def send_one(
     }
     if req.priority is not None:
         body["priority"] = req.priority
+    if slo_fields:
+        if req.slo_class is not None:
+            body["slo_class"] = req.slo_class
+        if req.slo_ttft_ms is not None:
+            body["slo_ttft_ms"] = req.slo_ttft_ms
     body.update(extra or {})
     start = time.perf_counter()
     rec.start = start - t0
@@ -194,8 +201,10 @@ async def run_requests(
     timeout: float = 600.0,
     progress: bool = True,
     extra: dict[str, Any] | None = None,
+    slo_fields: bool = False,
 ) -> tuple[list[Record], float]:
-    """Send the workload; returns the per-request records and the wall time of the whole run."""
+    """Send the workload; returns the per-request records and the wall time of the whole run.
+    `slo_fields`: send each request's `slo_class` and `slo_ttft_ms` (Subway's fields)."""
     url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
@@ -208,10 +217,10 @@ async def run_requests(
 
         async def one(q: Request, rec: Record) -> None:
             if sem is None:
-                await send_one(client, url, model, q, rec, t0, extra)
+                await send_one(client, url, model, q, rec, t0, extra, slo_fields)
             else:
                 async with sem:
-                    await send_one(client, url, model, q, rec, t0, extra)
+                    await send_one(client, url, model, q, rec, t0, extra, slo_fields)
             bar.update()
 
         async def timed(q: Request, rec: Record) -> None:
