@@ -84,8 +84,9 @@ class EngineCore:
         self.depth = depth
         self.late_planning = late_planning and depth == 2
         self.clock = clock
-        # For each plan in flight: clock() when it left, and the tokens it computes.
-        self._sent: deque[tuple[float, int]] = deque()
+        # For each plan in flight: clock() when it left, the tokens it computes and the
+        # context its decodes read (what `StepCost` predicts from).
+        self._sent: deque[tuple[float, int, int]] = deque()
         self._last_result_at = 0.0
         self._plan_at: float | None = None  # late planning: when the next plan is due
 
@@ -107,10 +108,10 @@ class EngineCore:
         deltas: list[RequestDelta] = []
         for result, tokens in self.executor.collect():
             now = self.clock()
-            sent, num_tokens = self._sent.popleft() if self._sent else (now, 0)
+            sent, num_tokens, kv = self._sent.popleft() if self._sent else (now, 0, 0)
             step_time = now - max(sent, self._last_result_at)
             sched.stats.last_step_time = step_time
-            sched.step_cost.observe(num_tokens, step_time)
+            sched.step_cost.observe(num_tokens, step_time, kv)
             self._last_result_at = now
             deltas += sched.process_result(result, tokens)
         if sched.has_pending_deltas:
@@ -132,7 +133,8 @@ class EngineCore:
             if plan is None:
                 break
             self.executor.submit(plan)
-            self._sent.append((self.clock(), sched.stats.last_num_batched_tokens))
+            stats = sched.stats
+            self._sent.append((self.clock(), stats.last_num_batched_tokens, stats.last_decode_kv))
             n += 1
         return n
 
@@ -146,10 +148,10 @@ class EngineCore:
         cost = sched.step_cost
         if not cost.ready or not self._sent or sched.num_running >= sched.max_num_seqs:
             return None
-        sent, num_tokens = self._sent[-1]
+        sent, num_tokens, kv = self._sent[-1]
         started = max(sent, self._last_result_at)
         lead = self.LATE_LEAD_S + 2.0 * sched.stats.last_schedule_time
-        return started + self.LATE_FRACTION * cost.predict(num_tokens) - lead
+        return started + self.LATE_FRACTION * cost.predict(num_tokens, kv) - lead
 
     def run(
         self,

@@ -113,6 +113,7 @@ class Planner:
         spec = sched.speculative
         spec_on = spec is not None and sched.num_running <= spec.disable_by_batch_size
         spare = budget - sched.num_running  # budget for drafts once every decode has its token
+        decode_kv = 0  # the context the decodes read (for the step cost model)
         for req in running:
             if req.status is not _RUNNING:
                 continue
@@ -156,6 +157,7 @@ class Planner:
                 bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos)  # (tokens < pos known)
                 req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
             steps.append(SeqStep(sid, pos, n, new_blocks, True, draft))
+            decode_kv += pos + n
             req.num_computed_tokens = pos + n
             req.num_inflight = inflight + 1
             req.num_draft = n - 1
@@ -166,7 +168,7 @@ class Planner:
 
         # 2. Prefill chunks of running requests and admissions, in policy order.
         if budget > 0 and (prefills or waiting):
-            self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget)
+            self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget, decode_kv)
             budget = self._prefill_and_admit(
                 step, budget, prefills, new_seqs, len(sched.preempted_ids) == num_preempted_before
             )
@@ -187,6 +189,7 @@ class Planner:
         stats.num_steps_planned = step + 1
         stats.last_batch_size = len(steps)
         stats.last_num_batched_tokens = self.max_num_batched_tokens - budget
+        stats.last_decode_kv = decode_kv
         stats.last_schedule_time = time.perf_counter() - t0
         stats.schedule_time_total += stats.last_schedule_time
         return plan

@@ -78,9 +78,9 @@ class Policy:
         """Whom a waiting request displaces, among those `may_preempt` allows."""
         return self.pick_victim(candidates)
 
-    def batch_chunk_cap(self, decode_tokens: int) -> int | None:
-        """The most tokens this step, `decode_tokens` so far, may hold once a batch-class
-        prefill chunk joins it (None: no cap)."""
+    def batch_chunk_cap(self, decode_tokens: int, decode_kv: int) -> int | None:
+        """The most tokens this step, `decode_tokens` so far whose decodes read `decode_kv`
+        of context, may hold once a batch-class prefill chunk joins it (None: no cap)."""
         return None
 
     def can_admit(self, req: Request) -> bool:
@@ -158,12 +158,16 @@ class EDF(Policy):
 
     TPOT. With `tpot_ms` (`--slo-tpot-ms`), while any chat is live (waiting
     or running), a step takes batch prefill chunks only up to the tokens that
-    `StepCost` says fit in 0.8 x `tpot_ms` (its first batch chunk one block at
-    least, so batch prompts keep moving): chats' decode steps stay under their
-    TPOT SLO (Sarathi-Serve's stall-free batching). With no chat live, or when
-    the step's decodes alone should take longer than `tpot_ms` (no cap could
-    meet it; shrinking would only slow the batch), batch chunks take the whole
-    budget again.
+    `StepCost` says fit in 0.8 x the step's time bound (its first batch chunk
+    one block at least, so batch prompts keep moving), Sarathi-Serve's
+    stall-free batching with a bound from the chats' deadlines (`step_bound`):
+    a chat's TPOT is its average over all its tokens, so a chat with slack
+    left (early in its output, or after fast steps) lets a longer step by, and
+    one without holds steps to what keeps its average under the SLO; chats
+    before their first token and the next chat to arrive bound it by their
+    TTFT. With no chat live, or when the step's decodes alone should take
+    longer than `tpot_ms` (no cap could meet it; shrinking would only slow the
+    batch), batch chunks take the whole budget again.
 
     Bound: a request with deadline D is never overtaken by one that arrives
     after D (whose deadline is later, as every SLO is positive). A batch
@@ -173,7 +177,8 @@ class EDF(Policy):
 
     name = "edf"
     preemptive = True
-    TPOT_MARGIN = 0.8  # of the TPOT SLO that a step is planned to take: room for noise
+    TPOT_MARGIN = 0.8  # of a step's time bound that it is planned to take: room for noise
+    ARRIVAL_SHARE = 0.4  # of the TTFT SLO that a step may take while chats are live
 
     def __init__(
         self,
@@ -223,13 +228,13 @@ class EDF(Policy):
         sched = self._sched
         if sched is None or not sched.step_cost.ready:
             return -math.inf
-        cost = sched.step_cost
+        cost, stats = sched.step_cost, sched.stats
         budget = sched.planner.max_num_batched_tokens
         step_s = cost.predict(budget)
         # Its prefill in chunks of at most the budget, and the step already in flight.
         own = (-(-(req.length - req.num_computed_tokens) // budget) + 1) * step_s
         if self._seat_wait is None:
-            decode_s = cost.predict(sched.stats.last_num_batched_tokens)
+            decode_s = cost.predict(stats.last_num_batched_tokens, stats.last_decode_kv)
             left = min(
                 (r.token_limit - r.length - r.num_inflight for r in sched.running
                  if r.status is RequestStatus.RUNNING),
@@ -238,14 +243,48 @@ class EDF(Policy):
             self._seat_wait = max(0, left) * decode_s
         return self.deadline(req) - sched.clock() - own - self._seat_wait
 
-    def batch_chunk_cap(self, decode_tokens: int) -> int | None:
+    def batch_chunk_cap(self, decode_tokens: int, decode_kv: int) -> int | None:
         sched = self._sched
         if self.tpot_s <= 0.0 or sched is None or not sched.num_interactive:
             return None
         cost = sched.step_cost
-        if not cost.ready or cost.predict(decode_tokens) > self.tpot_s:
+        if not cost.ready:
+            return None
+        decode_s = cost.predict(decode_tokens, decode_kv)
+        if decode_s > self.tpot_s:
             return None  # the decodes alone miss the SLO: shrinking batch chunks cannot help
-        return cost.tokens_within(self.tpot_s * self.TPOT_MARGIN)
+        return cost.tokens_within(self.step_bound(decode_s) * self.TPOT_MARGIN, decode_kv)
+
+    def step_bound(self, decode_s: float) -> float:
+        """The longest this step may take with every live chat still meeting its SLOs, if
+        the steps after it take `decode_s`: the least of
+        - a decoding chat's TPOT budget, its output tokens at most (N) times the SLO, less
+          the time it has decoded and the N - done - 1 steps it still needs;
+        - a chat still before its first token: the time to its TTFT deadline;
+        - the earliest waiting chat's time to its deadline; and
+        - `ARRIVAL_SHARE` of the TTFT SLO, for the chat that arrives while it runs."""
+        sched = self._sched
+        now = sched.clock()
+        tpot = self.tpot_s
+        bound = self.ARRIVAL_SHARE * self.interactive_ttft_ms / 1000.0
+        for r in sched.running:
+            if r.slo_class == "batch" or r.status is not RequestStatus.RUNNING:
+                continue
+            if r.first_token_time is None:
+                allowed = self.deadline(r) - now
+            else:
+                total = r.token_limit - r.prompt_len
+                left = total - len(r.output_ids) - r.num_inflight
+                allowed = (
+                    (total - 1) * tpot - (now - r.first_token_time) - max(0, left - 1) * decode_s
+                )
+            if allowed < bound:
+                bound = allowed
+        for r in sched.waiting:  # in deadline order: the first chat is the most urgent
+            if r.slo_class != "batch":
+                bound = min(bound, self.deadline(r) - now)
+                break
+        return bound
 
 
 class Static(Policy):

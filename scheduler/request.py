@@ -61,6 +61,7 @@ class Request:
     # of its next unkeyed block); NEVER when caching is off or once it decodes.
     cache_upto: int = NEVER
     first_scheduled_time: float | None = None  # the scheduler's clock at its first admission
+    first_token_time: float | None = None  # the scheduler's clock when its first token came
     speculable: bool = False  # speculative decoding may propose drafts for it (no grammar)
     num_draft: int = 0  # draft tokens of its step in flight (it waits for that result)
     handoff: bool = False  # a prefill engine's: lease its blocks when it ends by length

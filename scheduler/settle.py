@@ -72,6 +72,7 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         run = tokens[lo : lo + used] if c > 1 else [tokens[lo]]
         first = not req.reported
         if first:
+            req.first_token_time = sched.clock()
             delta = _first_delta(req, run, reason)
         else:
             delta = RequestDelta(req.request_id, run, reason)

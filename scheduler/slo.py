@@ -1,10 +1,17 @@
 """What a step costs, learned as steps run: the figure that SLO-aware scheduling plans with.
 
-`StepCost` models a step's time as `base + per_token * tokens` (tokens: what
-the step computes, prefill chunks and decodes together), fit by exponentially
-weighted least squares over the steps settled so far, so that it follows the
-machine and the batch as they change. Until it has seen steps of different
-sizes it keeps its prior slope and fits only the base.
+`StepCost` models a step's time as
+
+    seconds = base + per_token * tokens + per_kv * decode_kv
+
+where `tokens` is what the step computes (prefill chunks and decodes together)
+and `decode_kv` the context its decodes read (the sum of their positions): a
+decode's attention reads its whole KV cache, so at long contexts it costs far
+more than a prefill token, which one coefficient per token cannot show. The
+three coefficients are fit by exponentially weighted least squares over the
+steps settled so far (so they follow the machine and the batch), with a weak
+prior that holds a coefficient where the steps do not tell it apart (a run of
+decode-only steps, say).
 
 Its users (all in the scheduler process, all between steps):
 - `EDF` (`policy.py`): a chat's slack (how long it can still wait and meet its
@@ -17,52 +24,100 @@ from __future__ import annotations
 
 import math
 
+# Features are scaled to order 1 so that the prior weighs them alike.
+_TOKENS = 1e-3  # per thousand tokens
+_KV = 1e-5  # per hundred thousand context positions
+
 
 class StepCost:
-    """seconds = base + per_token * tokens, from observed (tokens, seconds) pairs."""
+    """seconds = base + per_token * tokens + per_kv * decode_kv, from observed steps."""
 
     def __init__(
-        self, base: float = 0.02, per_token: float = 2e-4, decay: float = 0.97, warmup: int = 4
+        self,
+        base: float = 0.02,
+        per_token: float = 2e-4,
+        per_kv: float = 1e-6,
+        decay: float = 0.97,
+        prior_weight: float = 0.01,
+        warmup: int = 4,
     ) -> None:
-        self.base = base
-        self.per_token = per_token
+        self.base, self.per_token, self.per_kv = base, per_token, per_kv
         self.decay = decay
         self.warmup = warmup  # observations before `ready`
         self.count = 0
-        # Decayed sums of weights, x, y, x*x, x*y.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._prior = (base, per_token / _TOKENS, per_kv / _KV)
+        self._lam = prior_weight
+        # Decayed normal equations: A = sum x x^T, b = sum x y, over x = (1, tokens, kv).
+        self._a = [[0.0] * 3 for _ in range(3)]
+        self._b = [0.0] * 3
 
     @property
     def ready(self) -> bool:
         """Enough steps seen for predictions to be worth acting on."""
         return self.count >= self.warmup
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, decode_kv: int = 0) -> None:
         if tokens <= 0 or not (0.0 < seconds < 60.0):
             return  # an empty step, or a stall (a debugger, a suspended process): no signal
         d = self.decay
-        x = float(tokens)
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + x * x
-        self._xy = self._xy * d + x * seconds
+        x = (1.0, tokens * _TOKENS, decode_kv * _KV)
+        a, b = self._a, self._b
+        for i in range(3):
+            b[i] = b[i] * d + x[i] * seconds
+            row = a[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
         self.count += 1
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var > max(1.0, 0.01 * mx * mx):  # sizes vary enough to fit a slope
-            slope = (self._xy / self._w - mx * my) / var
-            if slope > 0.0:
-                self.per_token = slope
-        self.base = max(0.0, my - self.per_token * mx)
+        self._solve()
 
-    def predict(self, tokens: int) -> float:
-        """Seconds a step of `tokens` tokens should take."""
-        return self.base + self.per_token * max(0, tokens)
+    def _solve(self) -> None:
+        """Ridge solution (toward the prior) of the 3x3 normal equations; coefficients that
+        come out negative are pinned at 0 and the rest refit."""
+        free = [0, 1, 2]
+        while True:
+            m = [[self._a[i][j] + (self._lam if i == j else 0.0) for j in free] for i in free]
+            v = [self._b[i] + self._lam * self._prior[i] for i in free]
+            sol = _gauss(m, v)
+            if sol is None:
+                return
+            bad = [free[k] for k, c in enumerate(sol) if c < 0.0]
+            if not bad:
+                break
+            free = [i for i in free if i not in bad]
+            if not free:
+                return
+        coef = [0.0, 0.0, 0.0]
+        for k, i in enumerate(free):
+            coef[i] = sol[k]
+        self.base, self.per_token, self.per_kv = coef[0], coef[1] * _TOKENS, coef[2] * _KV
 
-    def tokens_within(self, seconds: float) -> int:
-        """The most tokens a step can compute in `seconds` (0 if even an empty one cannot)."""
-        room = seconds - self.base
+    def predict(self, tokens: int, decode_kv: int = 0) -> float:
+        """Seconds a step of `tokens` tokens whose decodes read `decode_kv` should take."""
+        return self.base + self.per_token * max(0, tokens) + self.per_kv * max(0, decode_kv)
+
+    def tokens_within(self, seconds: float, decode_kv: int = 0) -> int:
+        """The most tokens a step whose decodes read `decode_kv` can compute in `seconds`
+        (0 if not even its decodes fit)."""
+        room = seconds - self.base - self.per_kv * max(0, decode_kv)
         if room <= 0.0:
             return 0
         return int(math.floor(room / self.per_token)) if self.per_token > 0 else 1 << 30
+
+
+def _gauss(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve m x = v by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    m = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x

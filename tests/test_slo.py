@@ -32,13 +32,13 @@ class FixedCost:
     def __init__(self, step_s: float, per_token: float = 0.0) -> None:
         self.step_s, self.per_token = step_s, per_token
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, decode_kv: int = 0) -> None:
         pass
 
-    def predict(self, tokens: int) -> float:
+    def predict(self, tokens: int, decode_kv: int = 0) -> float:
         return self.step_s + self.per_token * tokens
 
-    def tokens_within(self, seconds: float) -> int:
+    def tokens_within(self, seconds: float, decode_kv: int = 0) -> int:
         return int((seconds - self.step_s) / self.per_token)
 
 
@@ -83,26 +83,37 @@ class Admissions:
 # ---------------------------------------------------------------- the cost model
 
 
-def test_step_cost_fits_a_line_and_inverts_it():
+def truth(tokens: int, kv: int) -> float:
+    """A machine where a decode's context costs: 15 ms + 0.3 ms a token + 2 us a position."""
+    return 0.015 + 3e-4 * tokens + 2e-6 * kv
+
+
+def test_step_cost_tells_prefill_tokens_from_decode_context():
+    """Steps of mixed prefill and decodes at varied contexts: the fit finds all three
+    coefficients, so a decode-heavy step is predicted as well as a prefill-heavy one."""
     cost = StepCost()
     assert not cost.ready
-    for i in range(40):
-        tokens = 16 + (i * 37) % 500
-        cost.observe(tokens, 0.015 + 3e-4 * tokens)
+    for i in range(60):
+        decodes = 8 + (i * 7) % 40
+        kv = decodes * (100 + (i * 53) % 900)
+        tokens = decodes + (i * 131) % 512
+        cost.observe(tokens, truth(tokens, kv), kv)
     assert cost.ready
-    assert cost.predict(100) == pytest.approx(0.045, rel=1e-3)
-    assert cost.tokens_within(0.075) == pytest.approx(200, abs=1)
-    assert cost.tokens_within(0.01) == 0  # not even an empty step fits
+    for tokens, kv in ((40, 40_000), (500, 0), (100, 5_000)):
+        assert cost.predict(tokens, kv) == pytest.approx(truth(tokens, kv), rel=0.02)
+    assert cost.tokens_within(0.095, 20_000) == pytest.approx(133, abs=2)  # (95-15-40)/0.3
+    assert cost.tokens_within(0.05, 20_000) == 0  # the decodes' context alone is 40 ms
 
 
-def test_step_cost_keeps_its_slope_while_steps_are_alike_and_ignores_stalls():
-    cost = StepCost(per_token=1e-4)
-    for _ in range(10):
-        cost.observe(32, 0.05)
-    cost.observe(32, 120.0)  # a suspended process: no signal
+def test_step_cost_holds_its_prior_where_steps_are_alike_and_ignores_stalls():
+    cost = StepCost(per_token=1e-4, per_kv=1e-6)
+    for _ in range(30):
+        cost.observe(32, 0.05, 10_000)
+    cost.observe(32, 120.0, 10_000)  # a suspended process: no signal
     cost.observe(0, 0.01)  # an empty step
-    assert cost.per_token == 1e-4
-    assert cost.predict(32) == pytest.approx(0.05)
+    assert cost.predict(32, 10_000) == pytest.approx(0.05, rel=0.01)
+    # Nothing told the slopes apart: they stay near the prior, the base takes the rest.
+    assert 0.5e-4 < cost.per_token < 2e-4 and 0.5e-6 < cost.per_kv < 2e-6
 
 
 # ---------------------------------------------------------------- slack
@@ -166,12 +177,13 @@ def step_tokens(sched: Scheduler, log: list[tuple[int, bool, int]]):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_tpot_cap_shrinks_batch_chunks_only_while_a_chat_is_live(overlap):
-    """Budget 64; the TPOT SLO fits 24 tokens a step (0.01 + 0.001/token within 0.8 x 42.5 ms).
-    While the chat lives, batch prefill chunks fill steps up to 24 tokens (a second batch
-    prompt waits rather than go past it); before and after, up to 64."""
-    policy = EDF(tpot_ms=42.5)
-    sched, now = edf_scheduler(policy, FixedCost(0.01, 0.001))
-    assert policy.batch_chunk_cap(0) is None  # no step begun: no cap
+    """Budget 64; a step costs 0.1 s + 0.01 s a token; an iteration is a second. While the
+    chat lives, a step may take 0.4 x its 1 s TTFT SLO (the next chat to arrive), and is
+    planned at 0.8 of that: 22 tokens, fewer once the chat's TPOT budget (0.9 s a token,
+    against the driver's 1 s pace) runs out. Before and after it, batch chunks fill the 64."""
+    policy = EDF(interactive_ttft_ms=1000, tpot_ms=900)
+    sched, now = edf_scheduler(policy, FixedCost(0.1, 0.01))
+    assert policy.batch_chunk_cap(0, 0) is None  # no step begun: no cap
     reqs = [
         Req("batch", [1] * 150, sp(4), slo_class="batch"),
         Req("chat", [2] * 4, sp(12), arrival=1),
@@ -180,9 +192,44 @@ def test_tpot_cap_shrinks_batch_chunks_only_while_a_chat_is_live(overlap):
     log: list[tuple[int, bool, int]] = []
     run(sched, now, reqs, step_tokens(sched, log), overlap)
     live = [t for t, chat, _ in log if chat]
-    assert live and max(live) <= 24 and live.count(24) >= 3
+    assert live and max(live) <= 22 and 22 in live
+    assert min(live[-2:]) < 22  # the chat's TPOT budget ran out: the cap tightened
     assert max(b for t, chat, b in log if not chat) == 64
     assert sched.stats.chunk_capped_steps_total > 0
+
+
+def test_step_bound_is_the_tightest_chat_deadline():
+    """The bound by hand: TPOT 100 ms, TTFT 500 ms, later steps 50 ms, now = 10 s."""
+    from types import SimpleNamespace as NS
+
+    from subway.scheduler.request import RequestStatus
+
+    run_ = RequestStatus.RUNNING
+    policy = EDF(interactive_ttft_ms=500, tpot_ms=100)
+
+    def chat(**kw):
+        base = dict(slo_class="interactive", status=run_, slo_ttft_ms=None, arrival_time=9.8,
+                    prompt_len=10, token_limit=51, output_ids=[0] * 5, num_inflight=1,
+                    first_token_time=9.0)  # fmt: skip
+        return NS(**(base | kw))
+
+    def bound(running, waiting=()):
+        policy._sched = NS(clock=lambda: 10.0, running=running, waiting=list(waiting))
+        return policy.step_bound(0.05)
+
+    assert bound([]) == pytest.approx(0.2)  # 0.4 x 500 ms: the next arrival
+    # 41 outputs: 4 s of budget, 1 s spent, 34 more steps of 50 ms: 1.3 s left
+    assert bound([chat()]) == pytest.approx(0.2)
+    # 11 outputs, 9 out and 1 in flight, 1.2 s spent: 1.0 - 1.2 = -0.2 s
+    late = chat(token_limit=21, output_ids=[0] * 9, first_token_time=8.8)
+    assert bound([chat(), late]) == pytest.approx(-0.2)
+    # before its first token: its deadline (9.8 + 0.5) is 0.3 s away
+    assert bound([chat(first_token_time=None)]) == pytest.approx(0.2)
+    assert bound([chat(first_token_time=None, arrival_time=9.65)]) == pytest.approx(0.15)
+    batch = chat(slo_class="batch", first_token_time=None, arrival_time=0.0)
+    assert bound([batch]) == pytest.approx(0.2)  # batch requests bound nothing
+    waiting = [batch, chat(first_token_time=None, arrival_time=9.6, status=None)]
+    assert bound([], waiting) == pytest.approx(0.1)  # the earliest waiting chat
 
 
 def test_the_first_batch_chunk_gets_a_block_and_an_unreachable_slo_caps_nothing():

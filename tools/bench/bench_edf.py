@@ -111,7 +111,7 @@ def simulate(policy: str, jobs: list[Job], args) -> Result:
     )
     sched = Scheduler(config, args.num_blocks, 1 << 20, [EOS], clock=lambda: now)
     worker = NullWorker(token=7)
-    core = EngineCore(sched, worker, depth=1)
+    core = EngineCore(sched, worker, depth=1, clock=lambda: now)  # step times: simulated
     res = Result(policy)
     i = 0
     while True:
