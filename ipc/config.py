@@ -56,6 +56,10 @@ class ModelConfig:
     cpu_ext: bool = opt(True, "compile and use the C++ CPU kernels", flag="--no-cpu-ext")
     pack_weights: bool = opt(True, "pack CPU linear weights in oneDNN's layout once, at load",
                              flag="--no-pack-weights")  # fmt: skip
+    bf16_matmul: str = opt("auto", "CPU bfloat16 linears: float32 runs them on float32 copies "
+                           "of the weights (exact products, float32 sums, as native); auto: "
+                           "float32 where oneDNN has no native bfloat16 (no AVX512-BF16/AMX)",
+                           choices=("auto", "native", "float32"))  # fmt: skip
     huge_pages: bool = opt(True, "CPU: weights and KV cache in transparent huge pages where "
                            "the kernel allows them", flag="--no-huge-pages")  # fmt: skip
     quantization: str = opt("none", "int8: linear weights quantized at load (per output "

@@ -65,11 +65,12 @@ class Kernels:
     rope_and_write_kv: Callable  # rotary q and k, k and v into the caches; returns q
     paged_attention: Callable  # (q, k_cache, v_cache, md, scale)
     silu_and_mul: Callable
-    # A bfloat16 linear of one row (x, w, bias) -> y, faster than oneDNN's at decode of
+    # A bfloat16 linear of a few rows (x, w, bias) -> y, faster than oneDNN's at decode of
     # batch 1 (`kernels/csrc/gemv_cpu.cpp`), for the layers that take it; None: none here.
     small_linear: Callable | None = None
     # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
     argmax_rows: Callable | None = None
+    small_linear_rows: int = 1  # the most rows that small_linear takes
 
 
 def choose_kernels(
@@ -135,5 +136,6 @@ def _cpu_kernels(ext) -> Kernels:
     attention = partial(_ref_attention.paged_attention, ext=ext)  # the decodes compiled
     small = ext.small_linear if ext.small_linear_supported() else None
     return Kernels(
-        "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small, ext.argmax_rows
-    )
+        "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small, ext.argmax_rows,
+        max(1, ext.small_linear_rows()),
+    )  # fmt: skip

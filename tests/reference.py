@@ -13,20 +13,22 @@ class Reference:
     top5: list[list[int]]  # the reference's top-5 ids at each generated position
 
 
-_models: dict[str, torch.nn.Module] = {}
+_models: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
-def hf_model(path: str) -> torch.nn.Module:
-    if path not in _models:
+def hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    if (path, dtype) not in _models:
         from transformers import AutoModelForCausalLM
 
-        _models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return _models[path]
+        _models[path, dtype] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return _models[path, dtype]
 
 
 @torch.no_grad()
-def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> Reference:
-    model = hf_model(path)
+def hf_greedy(
+    path: str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> Reference:
+    model = hf_model(path, dtype)
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

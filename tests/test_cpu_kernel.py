@@ -298,7 +298,9 @@ def _exact_bf16_linear(x, w, b):
     return (y + b.double() if b is not None else y).to(torch.bfloat16)
 
 
-@pytest.mark.skipif(ext is None or not ext.small_linear_supported(), reason="no AVX512-BF16")
+@pytest.mark.skipif(
+    ext is None or not ext.small_linear_supported(), reason="neither AVX512-BF16 nor AVX2"
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_in", [(960, 576), (576, 1536), (7, 32), (130, 64)])
 def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
@@ -320,8 +322,10 @@ def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
         ext.small_linear(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48).bfloat16())
 
 
-@pytest.mark.skipif(ext is None or not ext.small_linear_supported(), reason="no AVX512-BF16")
-def test_bfloat16_layers_take_the_small_linear_for_one_row(tiny_models):
+@pytest.mark.skipif(
+    ext is None or not ext.small_linear_supported(), reason="neither AVX512-BF16 nor AVX2"
+)
+def test_bfloat16_layers_take_the_small_linear_for_few_rows(tiny_models):
     """A bfloat16 model's packed layers (not the lm_head) carry the one-row kernel, a float32
     model's none; one-row and many-row steps agree to a bfloat16 ulp per layer output."""
     from test_model_equality import make_runner

@@ -34,6 +34,19 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         return None
 
 
+def widen_bf16(mode: str) -> bool:
+    """Whether bfloat16 linears run on float32 copies of their weights (`--bf16-matmul`).
+
+    Where oneDNN has no native bfloat16 (no AVX512-BF16 or AMX, as on AMD before Zen 4) it
+    widens both operands inside every call, and a bfloat16 matmul of 48 rows runs about 4x
+    slower than the same in float32 (`tools/bench/bench_linear.py`). float32 products of
+    bfloat16 values are exact and both accumulate in float32, so the widened matmul differs
+    from the native one only in the order of its sums; the output is rounded to bfloat16."""
+    if mode == "auto":
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return mode == "float32"
+
+
 EXACT_ROWS = 64  # a packed matmul of up to this many rows (decode batches) runs at its size
 ROW_BUCKET = 32  # one of more rows runs padded to a multiple of this
 
@@ -44,21 +57,31 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
     small: Callable | None = None,
+    small_rows: int = 1,
+    wide: bool = False,
 ) -> torch.Tensor:
-    """`x [rows, in]` times the weight. One row goes to `small` when the layer has it (a
-    bfloat16 decode of batch 1: `Kernels.small_linear`). A packed weight's matmul keeps a
-    compiled kernel per row count, never freed (about 0.6 MB for each; measured in
-    docs/RELIABILITY.md), so row counts above `EXACT_ROWS` are padded to a multiple of
-    `ROW_BUCKET`: a bounded set of kernels, where every prefill size would otherwise add one."""
-    if small is not None and x.shape[0] == 1 and x.is_contiguous():
+    """`x [rows, in]` times the weight. Up to `small_rows` rows go to `small` when the layer
+    has it (bfloat16 decode at batch 1, or up to 4 on AVX2: `Kernels.small_linear`). `wide`:
+    `packed` holds the float32 copy of a bfloat16 weight (`widen_bf16`). A packed weight's
+    matmul keeps a compiled kernel per row count, never freed (about 0.6 MB for each;
+    measured in docs/RELIABILITY.md), so row counts above `EXACT_ROWS` are padded to a
+    multiple of `ROW_BUCKET`: a bounded set of kernels, where every prefill size would
+    otherwise add one."""
+    rows = x.shape[0]
+    if small is not None and rows <= small_rows and x.is_contiguous():
         return small(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    rows = x.shape[0]
+    dtype = x.dtype
+    if wide:
+        x = x.float()
+        bias = None if bias is None else bias.float()
     if rows <= EXACT_ROWS or rows % ROW_BUCKET == 0:
-        return packed_matmul(x, packed, bias)
-    x = F.pad(x, (0, 0, 0, ROW_BUCKET - rows % ROW_BUCKET))
-    return packed_matmul(x, packed, bias)[:rows]
+        y = packed_matmul(x, packed, bias)
+    else:
+        x = F.pad(x, (0, 0, 0, ROW_BUCKET - rows % ROW_BUCKET))
+        y = packed_matmul(x, packed, bias)[:rows]
+    return y.to(dtype) if wide else y
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -72,31 +95,48 @@ class PackedLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
-    small: Callable | None = None  # its one-row linear (see `linear`), set by `pack`
+    small: Callable | None = None  # its few-row linear (see `linear`), set by `pack`
+    small_rows: int = 1
+    wide: bool = False  # `packed` is a float32 copy of the bfloat16 weight
     int8: Int8Linear | None = None  # set by `quantize`; the float weight is then dropped
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
         if self.int8 is not None:
             return self.int8(x, bias)
-        return linear(x, self.weight, bias, self.packed, self.small)
+        return linear(x, self.weight, bias, self.packed, self.small, self.small_rows, self.wide)
 
     def quantize(self, ops: object) -> None:
         """Replace the weight by its int8 copy (worker/quant.py), freeing the float one."""
         self.int8 = Int8Linear(self.weight, ops)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-        self.packed, self.small = None, None
+        self.unpack()
 
-    def pack(self, batch_hint: int, small: Callable | None = None) -> bool:
+    def unpack(self) -> None:
+        self.packed, self.small, self.wide = None, None, False
+
+    def pack(
+        self,
+        batch_hint: int,
+        small: Callable | None = None,
+        small_rows: int = 1,
+        wide: bool = False,
+    ) -> bool:
         """Keep a packed copy of the loaded weight for `forward`; False where unsupported.
-        `small` (`Kernels.small_linear`) serves one-row steps where the weight suits it:
-        bfloat16, its input a multiple of 32. A quantized layer has nothing to pack."""
+        `small` (`Kernels.small_linear`) serves steps of up to `small_rows` rows where the
+        weight suits it: bfloat16, its input a multiple of 32. `wide`: a bfloat16 weight's
+        packed copy is float32 (`widen_bf16`); the bfloat16 one stays for `small`. A
+        quantized layer has nothing to pack."""
         if self.int8 is not None:
             return True
-        self.packed = pack_weight(self.weight, batch_hint)
         w = self.weight
+        self.wide = wide and w.dtype == torch.bfloat16
+        self.packed = pack_weight(w.float() if self.wide else w, batch_hint)
         suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
         self.small = small if suits and self.packed is not None else None
+        self.small_rows = small_rows
+        if self.packed is None:
+            self.wide = False
         return self.packed is not None
 
 

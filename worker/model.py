@@ -208,9 +208,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(hidden)
-        return linear(hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small)
+        return linear(
+            hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small,
+            1, self.lm_head_wide,
+        )  # fmt: skip
 
     lm_head_packed: torch.Tensor | None = None
+    lm_head_wide: bool = False  # lm_head_packed is the float32 copy of a bfloat16 lm_head
     lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
     lm_head_int8: Int8Linear | None = None
 
@@ -224,17 +228,27 @@ class CausalLM(nn.Module):
         if lm_head is not None:
             self.lm_head_int8 = Int8Linear(lm_head, ops)
 
-    def pack_weights(self, batch_hint: int, one_row_lm_head: bool = False) -> bool:
+    def pack_weights(
+        self, batch_hint: int, one_row_lm_head: bool = False, wide: bool = False
+    ) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only);
-        `one_row_lm_head`: batch-1 logits through small_linear (its weight in huge pages)."""
-        small = self.kernels.small_linear
-        ok = all(m.pack(batch_hint, small) for m in self.modules() if isinstance(m, PackedLinear))
+        `one_row_lm_head`: batch-1 logits through small_linear (its weight in huge pages);
+        `wide`: bfloat16 weights packed as float32 (`layers.widen_bf16`)."""
+        small, rows = self.kernels.small_linear, self.kernels.small_linear_rows
+        ok = all(
+            m.pack(batch_hint, small, rows, wide)
+            for m in self.modules()
+            if isinstance(m, PackedLinear)
+        )
         if self.lm_head_int8 is not None:
             return ok
-        self.lm_head_packed = pack_weight(self.lm_head, batch_hint) if ok else None
+        w = self.lm_head
+        self.lm_head_wide = wide and w.dtype == torch.bfloat16
+        self.lm_head_packed = (
+            pack_weight(w.float() if self.lm_head_wide else w, batch_hint) if ok else None
+        )
         # One row of logits: small_linear too, once its weight is in huge pages (rehome):
         # 1.01 against oneDNN's 1.21 ms (docs/BENCHMARKS.md); slower in small pages.
-        w = self.lm_head
         suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         self.lm_head_small = (
             small if one_row_lm_head and suits and self.lm_head_packed is not None else None
@@ -242,7 +256,8 @@ class CausalLM(nn.Module):
         if not ok or self.lm_head_packed is None:
             for m in self.modules():
                 if isinstance(m, PackedLinear):
-                    m.packed, m.small = None, None
+                    m.unpack()
+            self.lm_head_wide = False
             return False
         return True
 

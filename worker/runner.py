@@ -18,6 +18,7 @@ from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.huge_pages import rehome
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
+from subway.worker.layers import widen_bf16
 from subway.worker.loader import load_weights
 from subway.worker.model import CausalLM
 from subway.worker.model_arch import load_model_arch, resolve_dtype
@@ -115,7 +116,8 @@ class ModelRunner:
             self.model.quantize_int8(int8_ops(), lm_head)
         if self.device.type == "cpu" and config.model.pack_weights:
             huge = config.model.huge_pages
-            self.model.pack_weights(config.scheduler.max_num_seqs, huge)  # layers.pack_weight
+            wide = widen_bf16(config.model.bf16_matmul)
+            self.model.pack_weights(config.scheduler.max_num_seqs, huge, wide)  # layers.pack_weight
             if huge:
                 rehome(self.model.one_row_weights())  # read whole at every batch-1 step
         attn = self.model.layers[0].self_attn.qkv

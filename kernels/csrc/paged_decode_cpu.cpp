@@ -492,6 +492,7 @@ torch::Tensor argmax_rows(torch::Tensor x);
 // gemv_cpu.cpp
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool small_linear_supported();
+int64_t small_linear_rows();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
@@ -501,7 +502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
-  m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 (CPU)",
+  m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 or AVX2 (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul,
         "silu(gate) * up of bfloat16 rows, rounded as the reference rounds (CPU)");
@@ -510,7 +511,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "First index of each row's largest value, bfloat16 rows without a float copy (CPU)");
   m.def("small_linear_supported", &small_linear_supported,
-        "Whether small_linear was compiled (AVX512-BF16)");
+        "Whether small_linear was compiled (AVX512-BF16 or AVX2)");
+  m.def("small_linear_rows", &small_linear_rows,
+        "The most rows of x for which callers should take small_linear");
   m.def("has_avx512", [] { return kHaveAvx512; }, "Whether the AVX-512 fast path was compiled");
   m.def("has_avx2", [] { return kHaveAvx2; },
         "Whether the AVX2 fast path was compiled (machines without AVX-512)");

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quantization", default="none", choices=("none", "int8"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
+    p.add_argument("--bf16-matmul", default="auto", choices=("auto", "native", "float32"))
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         num_kv_blocks=B * per_seq,
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
+        bf16_matmul=a.bf16_matmul,
     )
     runner = ModelRunner(cfg)
     greedy = SamplingParams(temperature=0.0)
