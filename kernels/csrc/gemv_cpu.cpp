@@ -13,8 +13,7 @@
 #include <ATen/Parallel.h>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
+#include <vector>
 
 static constexpr int64_t kMaxRows = 4;  // rows of x per call, at most
 static constexpr int64_t kStripe = 4;   // weight rows per inner pass
@@ -31,6 +30,15 @@ static inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SUBWAY_SMALL_LINEAR 1
+// Rows it is used for: one (measured faster than oneDNN there; native bfloat16 oneDNN is
+// close at 2 to 4).
+static constexpr int64_t kRowsUsed = 1;
+using XRow = uint16_t;  // x stays bfloat16: dpbf16 takes it as it is
+static const XRow* prepare_x(const uint16_t* xh, int64_t, std::vector<float>&) { return xh; }
 
 template <int M>
 static void rows_times_stripe(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
@@ -61,65 +69,21 @@ static void rows_times_stripe(const uint16_t* x, const uint16_t* w, const uint16
   }
 }
 
-bool small_linear_supported() { return true; }
-// Rows it is used for: one (measured faster than oneDNN there; native bfloat16 oneDNN is
-// close at 2 to 4).
-int64_t small_linear_rows() { return 1; }
-
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
-              "bfloat16 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(),
-              "contiguous x [rows, in] and w [out, in]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && M >= 1 && M <= kMaxRows,
-              "in a multiple of 32, 1 to 4 rows");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == N &&
-                    bias->is_contiguous(),
-                "a contiguous bfloat16 bias of the output's size");
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Stripes of 64 weight rows per task: 64 x K x 2 bytes (>= 72 KB here) is work enough.
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * 64, n1 = std::min<int64_t>(t1 * 64, N);
-    switch (M) {
-      case 1: rows_times_stripe<1>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 2: rows_times_stripe<2>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 3: rows_times_stripe<3>(xp, wp, bp, yp, K, N, n0, n1); break;
-      default: rows_times_stripe<4>(xp, wp, bp, yp, K, N, n0, n1); break;
-    }
-  });
-  return y;
-}
-
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 (no bfloat16 arithmetic, as on AMD before Zen 4): the rows of x widened to float32
-// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. Where
-// oneDNN has no native bfloat16 it runs a one-row linear at about 9 GB/s here; this streams
-// the weight at the memory's pace. Same plan and rounding as the AVX512-BF16 path.
+// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. At one
+// row it is level with oneDNN (both near the memory's ~10 GB/s on the AVX2 VM of
+// docs/BENCHMARKS.md); at 2 to 4 rows oneDNN's call takes 1.5-2x as long, since it widens
+// the whole weight for each. Same plan and rounding as the AVX512-BF16 path.
 #include <immintrin.h>
-#include <vector>
-
-static constexpr int64_t kMaxRows = 4;
-static constexpr int64_t kStripe = 4;
-
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
+#define SUBWAY_SMALL_LINEAR 1
+// Up to four rows: oneDNN widens bfloat16 on every call here, 1.5-2x slower at 2 to 4 rows.
+static constexpr int64_t kRowsUsed = 4;
+using XRow = float;  // the rows of x widened once per call
+static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(xh[i]);
+  return buf.data();
 }
 
 static inline __m256 widen8(const uint16_t* p) {
@@ -166,9 +130,11 @@ static void rows_times_stripe(const float* x, const uint16_t* w, const uint16_t*
   }
 }
 
+#endif
+
+#if defined(SUBWAY_SMALL_LINEAR)
 bool small_linear_supported() { return true; }
-// Up to four rows: oneDNN widens bfloat16 on every call here, 1.5-2x slower at 2 to 4 rows.
-int64_t small_linear_rows() { return 4; }
+int64_t small_linear_rows() { return kRowsUsed; }
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
@@ -186,12 +152,12 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
   }
   auto y = torch::empty({M, N}, x.options());
-  const uint16_t* xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xh[i]);
-  const float* xp = xf.data();
+  std::vector<float> xbuf;
+  const XRow* xp =
+      prepare_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xbuf);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // Stripes of 64 weight rows per task: 64 x K x 2 bytes (>= 72 KB here) is work enough.
   at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * 64, n1 = std::min<int64_t>(t1 * 64, N);
     switch (M) {
