@@ -29,6 +29,20 @@ def test_vllm_command_serves_the_folder_without_prefix_cache() -> None:
     assert "--no-prefix-caching" in vs_vllm.ENGINE_FLAGS  # and Subway alike
 
 
+def test_subway_args_come_after_engine_flags_and_win() -> None:
+    import argparse
+
+    from subway.tools.cli import add_engine_args, config_from_args
+
+    flags = vs_vllm.subway_flags("--max-num-batched-tokens 2048")
+    assert flags[: len(vs_vllm.ENGINE_FLAGS)] == vs_vllm.ENGINE_FLAGS
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = config_from_args(parser.parse_args(flags))
+    assert config.scheduler.max_num_batched_tokens == 2048  # ENGINE_FLAGS say 512
+    assert vs_vllm.subway_flags("") == vs_vllm.ENGINE_FLAGS
+
+
 def test_settings_end_with_single_stream() -> None:
     assert vs_vllm.settings([64, 16], 8) == [("c64", 64, 0), ("c16", 16, 0), ("c1", 1, 8)]
     assert vs_vllm.settings([64], 0) == [("c64", 64, 0)]

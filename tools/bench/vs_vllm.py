@@ -54,6 +54,11 @@ def vllm_command(script: str, model: str, port: int, extra: list[str]) -> list[s
     return ["bash", script, "serve", model, str(port), *VLLM_FLAGS, *extra]
 
 
+def subway_flags(extra: str) -> list[str]:
+    """ENGINE_FLAGS, then the user's: Subway's argparse keeps the last of a repeated flag."""
+    return [*ENGINE_FLAGS, *extra.split()]
+
+
 def settings(concurrencies: list[int], single_stream: int) -> list[tuple[str, int, int]]:
     """(name, max concurrency, requests: 0 for all) for each measurement of one server."""
     out = [(f"c{c}", c, 0) for c in concurrencies]
@@ -245,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     p.add_argument("--vllm-args", default="", help="extra args for vLLM's server")
+    p.add_argument(
+        "--subway-args", default="",
+        help="extra args for Subway's server, after ENGINE_FLAGS (a later flag wins): e.g. "
+        "'--max-num-batched-tokens 2048', vLLM's CPU default budget",
+    )  # fmt: skip
     p.add_argument("--systems", default="subway,vllm", help="subway alone if vLLM is missing")
     p.add_argument(
         "--max-foreign-cores", type=float, default=0.3,
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     for system in (s for s in order(a.rounds) if s in systems):
         print(f"== {system}", flush=True)
         if system == "subway":
-            server = compare.subway_server("vs-vllm", ENGINE_FLAGS, a.threads)
+            server = compare.subway_server("vs-vllm", subway_flags(a.subway_args), a.threads)
         else:
             server = vllm_server(model, a.threads, a.kv_gib, a.vllm_args.split())
         with server as url:
@@ -280,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         "workload": workload.summary(reqs),
         "threads": a.threads,
         "order": [s for s in order(a.rounds) if s in systems],
-        "subway_flags": ENGINE_FLAGS,
+        "subway_flags": subway_flags(a.subway_args),
         "vllm_args": a.vllm_args,
         "runs": runs,
     }
