@@ -17,10 +17,10 @@
 
 static constexpr int64_t kMaxRows = 4;  // rows of x per call, at most
 static constexpr int64_t kStripe = 4;   // weight rows per inner pass
-// Each weight line is prefetched this many bytes ahead of its load: the hardware's streamer
-// alone kept about 4 lines in flight per thread (11.4 GB/s over SmolLM2's 120 layer weights,
-// two threads, against 16.9 for a plain sum); 12 KB ahead gave 15.4 GB/s, 4 KB 14.2 and
-// 32 KB 14.3 (docs/BENCHMARKS.md). A prefetch past the weight's end is only a hint: no fault.
+// Each weight line is prefetched this many bytes ahead of its load: with the hardware's
+// streamer alone SmolLM2's 120 layer weights read at 11.4 GB/s (two threads, against 16.9
+// for a plain sum); 12 KB ahead gave 15.4 GB/s, 4 KB 14.2 and 32 KB 14.3 (an ad-hoc sweep,
+// docs/BENCHMARKS.md). A prefetch past the weight's end is only a hint: it cannot fault.
 static constexpr int64_t kPrefetchBytes = 12288;
 
 static inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs here)
