@@ -4,6 +4,7 @@ fake streaming server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +14,7 @@ import pytest
 
 from subway.tools.bench import vs_vllm
 from subway.tools.bench.workload import Request
+from subway.tools.cli import add_engine_args, config_from_args
 
 
 def test_order_alternates_abba() -> None:
@@ -30,10 +32,6 @@ def test_vllm_command_serves_the_folder_without_prefix_cache() -> None:
 
 
 def test_subway_args_come_after_engine_flags_and_win() -> None:
-    import argparse
-
-    from subway.tools.cli import add_engine_args, config_from_args
-
     flags = vs_vllm.subway_flags("--max-num-batched-tokens 2048")
     assert flags[: len(vs_vllm.ENGINE_FLAGS)] == vs_vllm.ENGINE_FLAGS
     parser = argparse.ArgumentParser()
@@ -41,6 +39,7 @@ def test_subway_args_come_after_engine_flags_and_win() -> None:
     config = config_from_args(parser.parse_args(flags))
     assert config.scheduler.max_num_batched_tokens == 2048  # ENGINE_FLAGS say 512
     assert vs_vllm.subway_flags("") == vs_vllm.ENGINE_FLAGS
+    assert vs_vllm.subway_flags("--served-model-name 'a b'")[-1] == "a b"  # quoted as in a shell
 
 
 def test_settings_end_with_single_stream() -> None:

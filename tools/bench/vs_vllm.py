@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -56,7 +57,7 @@ def vllm_command(script: str, model: str, port: int, extra: list[str]) -> list[s
 
 def subway_flags(extra: str) -> list[str]:
     """ENGINE_FLAGS, then the user's: Subway's argparse keeps the last of a repeated flag."""
-    return [*ENGINE_FLAGS, *extra.split()]
+    return [*ENGINE_FLAGS, *shlex.split(extra)]
 
 
 def settings(concurrencies: list[int], single_stream: int) -> list[tuple[str, int, int]]:
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         if system == "subway":
             server = compare.subway_server("vs-vllm", subway_flags(a.subway_args), a.threads)
         else:
-            server = vllm_server(model, a.threads, a.kv_gib, a.vllm_args.split())
+            server = vllm_server(model, a.threads, a.kv_gib, shlex.split(a.vllm_args))
         with server as url:
             runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
     out: dict[str, Any] = {
