@@ -65,8 +65,9 @@ class Kernels:
     rope_and_write_kv: Callable  # rotary q and k, k and v into the caches; returns q
     paged_attention: Callable  # (q, k_cache, v_cache, md, scale)
     silu_and_mul: Callable
-    # A bfloat16 linear of a few rows (x, w, bias) -> y, faster than oneDNN's at decode of
-    # batch 1 (`kernels/csrc/gemv_cpu.cpp`), for the layers that take it; None: none here.
+    # A bfloat16 linear of a few rows (x, w, bias) -> y, faster than oneDNN's at decode
+    # batches (`kernels/csrc/gemv_cpu.cpp`, `amx_linear_cpu.cpp` from 5 rows where the CPU
+    # has AMX), for the layers that take it; None: none here.
     small_linear: Callable | None = None
     # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
     argmax_rows: Callable | None = None

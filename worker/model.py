@@ -210,12 +210,12 @@ class CausalLM(nn.Module):
             return self.lm_head_int8(hidden)
         return linear(
             hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small,
-            1, self.lm_head_wide,
+            self.kernels.small_linear_rows, self.lm_head_wide,
         )  # fmt: skip
 
     lm_head_packed: torch.Tensor | None = None
     lm_head_wide: bool = False  # lm_head_packed is the float32 copy of a bfloat16 lm_head
-    lm_head_small: Callable | None = None  # the one-row linear, for a batch-1 step's logits
+    lm_head_small: Callable | None = None  # the few-row linear, for a decode step's logits
     lm_head_int8: Int8Linear | None = None
 
     def quantize_int8(self, ops: object, lm_head: torch.Tensor | None = None) -> None:
@@ -232,7 +232,8 @@ class CausalLM(nn.Module):
         self, batch_hint: int, one_row_lm_head: bool = False, wide: bool = False
     ) -> bool:
         """Packed copies of every linear weight and the lm_head, after loading (CPU only);
-        `one_row_lm_head`: batch-1 logits through small_linear (its weight in huge pages);
+        `one_row_lm_head`: decode logits (up to `small_linear_rows` rows) through small_linear
+        too (its weight in huge pages);
         `wide`: bfloat16 weights packed as float32 (`layers.widen_bf16`)."""
         small, rows = self.kernels.small_linear, self.kernels.small_linear_rows
         ok = all(
@@ -247,8 +248,9 @@ class CausalLM(nn.Module):
         self.lm_head_packed = (
             pack_weight(w.float() if self.lm_head_wide else w, batch_hint) if ok else None
         )
-        # One row of logits: small_linear too, once its weight is in huge pages (rehome):
-        # 1.01 against oneDNN's 1.21 ms (docs/BENCHMARKS.md); slower in small pages.
+        # Decode logits: small_linear too, once its weight is in huge pages (rehome): one
+        # row 1.01 against oneDNN's 1.21 ms (docs/BENCHMARKS.md), 16 rows (AMX) 3.4 against
+        # 4.3; slower in small pages.
         suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
         self.lm_head_small = (
             small if one_row_lm_head and suits and self.lm_head_packed is not None else None

@@ -119,7 +119,7 @@ class ModelRunner:
             wide = widen_bf16(config.model.bf16_matmul)
             self.model.pack_weights(config.scheduler.max_num_seqs, huge, wide)  # layers.pack_weight
             if huge:
-                rehome(self.model.one_row_weights())  # read whole at every batch-1 step
+                rehome(self.model.one_row_weights())  # read whole at every small decode step
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
         self.num_blocks = self._count_blocks()

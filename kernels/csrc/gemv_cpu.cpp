@@ -11,11 +11,14 @@
 #include <ATen/ATen.h>
 #include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstring>
 
 #include <vector>
 
-static constexpr int64_t kMaxRows = 4;  // rows of x per call, at most
+#include "vec_math.h"
+
+static constexpr int64_t kMaxRows = 4;  // rows of x per call, at most, without AMX
 static constexpr int64_t kStripe = 4;   // weight rows per inner pass
 // Each weight line is prefetched this many bytes ahead of its load: with the hardware's
 // streamer alone SmolLM2's 120 layer weights read at 11.4 GB/s (two threads, against 16.9
@@ -39,40 +42,52 @@ static inline float bf16_to_float(uint16_t h) {
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
-// Rows it is used for: one (measured faster than oneDNN there; native bfloat16 oneDNN is
-// close at 2 to 4).
-static constexpr int64_t kRowsUsed = 1;
+// Rows it is used for: one to four. With its prefetch it reads SmolLM2's 120 layer weights
+// in 12-14 ms at one to four rows, against oneDNN's 20-24 ms (2-core Sapphire Rapids VM);
+// past four it is bound by the dot products (8 rows: 26 ms), where AMX takes over.
+static constexpr int64_t kRowsUsed = 4;
 using XRow = uint16_t;  // x stays bfloat16: dpbf16 takes it as it is
 static const XRow* prepare_x(const uint16_t* xh, int64_t, std::vector<float>&) { return xh; }
 
-template <int M>
-static void rows_times_stripe(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
-                              int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// One stripe of `rows` (<= kStripe) weight rows from n, times the G (<= 4) rows of x at
+// `x`; outputs to y (rows of N). `fetch`: this pass is the stripe's first, which streams it
+// from memory, so it prefetches ahead; the later groups find it in L1.
+template <int G>
+static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, const uint16_t* b,
+                                      uint16_t* y, int64_t K, int64_t N, int64_t n, int64_t rows,
+                                      bool fetch) {
   const int64_t chunks = K / 32;
-  for (int64_t n = n0; n < n1; n += kStripe) {
-    const int64_t rows = std::min<int64_t>(kStripe, n1 - n);
-    __m512 acc[M][kStripe];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512bh xv[M];
-      for (int m = 0; m < M; ++m)
-        xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * K + c * 32));
-      for (int j = 0; j < rows; ++j) {
-        const uint16_t* line = w + (n + j) * K + c * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(line));
-        for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      for (int j = 0; j < rows; ++j) {
-        float s = _mm512_reduce_add_ps(acc[m][j]);
-        if (b != nullptr) s += bf16_to_float(b[n + j]);
-        y[m * N + n + j] = to_bf16(s);
-      }
+  __m512 acc[G][kStripe];
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512bh xv[G];
+    for (int m = 0; m < G; ++m)
+      xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * K + c * 32));
+    for (int j = 0; j < rows; ++j) {
+      const uint16_t* line = w + (n + j) * K + c * 32;
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(line));
+      for (int m = 0; m < G; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
     }
   }
+  if constexpr (G == 4) {  // sixteen sums at once (vec_math.h)
+    if (rows == kStripe) {
+      alignas(64) float s[16];
+      _mm512_store_ps(s, sum_lanes16(&acc[0][0]));
+      for (int m = 0; m < G; ++m)
+        for (int j = 0; j < kStripe; ++j)
+          y[m * N + n + j] =
+              to_bf16(s[m * kStripe + j] + (b != nullptr ? bf16_to_float(b[n + j]) : 0.f));
+      return;
+    }
+  }
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < rows; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      if (b != nullptr) s += bf16_to_float(b[n + j]);
+      y[m * N + n + j] = to_bf16(s);
+    }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -92,55 +107,54 @@ static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& 
   return buf.data();
 }
 
-static inline __m256 widen8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-template <int M>
-static void rows_times_stripe(const float* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
-                              int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// widen_bf16_8 and hsum8 are vec_math.h's.
+// The AVX512-BF16 path's group_times_stripe on 8 float32 lanes (no software prefetch yet:
+// `fetch` is unused, as no machine here could measure one).
+template <int G>
+static inline void group_times_stripe(const float* x, const uint16_t* w, const uint16_t* b,
+                                      uint16_t* y, int64_t K, int64_t N, int64_t n, int64_t rows,
+                                      bool) {
   const int64_t chunks = K / 8;
-  for (int64_t n = n0; n < n1; n += kStripe) {
-    const int64_t rows = std::min<int64_t>(kStripe, n1 - n);
-    __m256 acc[M][kStripe];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm256_setzero_ps();
-    if (rows == kStripe) {
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int j = 0; j < kStripe; ++j) {
-          const __m256 wv = widen8(w + (n + j) * K + c * 8);
-          for (int m = 0; m < M; ++m)
-            acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
-        }
-    } else {
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int j = 0; j < rows; ++j) {
-          const __m256 wv = widen8(w + (n + j) * K + c * 8);
-          for (int m = 0; m < M; ++m)
-            acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
-        }
-    }
-    for (int m = 0; m < M; ++m)
+  __m256 acc[G][kStripe];
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm256_setzero_ps();
+  if (rows == kStripe) {
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int j = 0; j < kStripe; ++j) {
+        const __m256 wv = widen_bf16_8(w + (n + j) * K + c * 8);
+        for (int m = 0; m < G; ++m)
+          acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
+      }
+  } else {
+    for (int64_t c = 0; c < chunks; ++c)
       for (int j = 0; j < rows; ++j) {
-        float s = hsum8(acc[m][j]);
-        if (b != nullptr) s += bf16_to_float(b[n + j]);
-        y[m * N + n + j] = to_bf16(s);
+        const __m256 wv = widen_bf16_8(w + (n + j) * K + c * 8);
+        for (int m = 0; m < G; ++m)
+          acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
       }
   }
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < rows; ++j) {
+      float s = hsum8(acc[m][j]);
+      if (b != nullptr) s += bf16_to_float(b[n + j]);
+      y[m * N + n + j] = to_bf16(s);
+    }
 }
 
 #endif
 
+// amx_linear_cpu.cpp: 5 to 64 rows where the CPU has AMX.
+bool amx_linear_supported();
+int64_t amx_linear_max_rows();
+void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, int64_t M,
+                int64_t K, int64_t N);
+
 #if defined(SUBWAY_SMALL_LINEAR)
+// From this many rows on, AMX (where there is one) instead of the stripe kernel.
+static constexpr int64_t kAmxFromRows = 5;
+
 bool small_linear_supported() { return true; }
-int64_t small_linear_rows() { return kRowsUsed; }
+int64_t small_linear_rows() { return std::max(kRowsUsed, amx_linear_max_rows()); }
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
@@ -148,8 +162,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(),
               "contiguous x [rows, in] and w [out, in]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && M >= 1 && M <= kMaxRows,
-              "in a multiple of 32, 1 to 4 rows");
+  const int64_t max_rows = std::max(kMaxRows, amx_linear_max_rows());
+  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && M >= 1 && M <= max_rows,
+              "in a multiple of 32, 1 to ", max_rows, " rows");
   const uint16_t* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->numel() == N &&
@@ -163,14 +178,30 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
       prepare_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xbuf);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Stripes of 64 weight rows per task: 64 x K x 2 bytes (>= 72 KB here) is work enough.
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * 64, n1 = std::min<int64_t>(t1 * 64, N);
-    switch (M) {
-      case 1: rows_times_stripe<1>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 2: rows_times_stripe<2>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 3: rows_times_stripe<3>(xp, wp, bp, yp, K, N, n0, n1); break;
-      default: rows_times_stripe<4>(xp, wp, bp, yp, K, N, n0, n1); break;
+  int64_t first = 0;  // the first weight row left to the stripe kernel
+  if (M >= kAmxFromRows && amx_linear_supported()) {
+    amx_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), wp, bp, yp, M, K, N);
+    first = N - N % 32;
+    if (first == N) return y;
+  }
+  // Tasks are stripes of kStripe weight rows, at least 16 of them (>= 72 KB here) to a
+  // thread: at::parallel_for splits the range evenly, where stripes of 64 rows left one of
+  // two threads a ninth more of a 576-row weight. Each stripe streams from memory once,
+  // for its first group of up to four rows of x, and stays in L1 for the other groups.
+  at::parallel_for(first / kStripe, (N + kStripe - 1) / kStripe, 16, [&](int64_t s0, int64_t s1) {
+    for (int64_t n = s0 * kStripe; n < std::min<int64_t>(s1 * kStripe, N); n += kStripe) {
+      const int64_t rows = std::min<int64_t>(kStripe, N - n);
+      for (int64_t m = 0; m < M; m += 4) {
+        const XRow* xg = xp + m * K;
+        uint16_t* yg = yp + m * N;
+        const bool fetch = m == 0;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: group_times_stripe<1>(xg, wp, bp, yg, K, N, n, rows, fetch); break;
+          case 2: group_times_stripe<2>(xg, wp, bp, yg, K, N, n, rows, fetch); break;
+          case 3: group_times_stripe<3>(xg, wp, bp, yg, K, N, n, rows, fetch); break;
+          default: group_times_stripe<4>(xg, wp, bp, yg, K, N, n, rows, fetch); break;
+        }
+      }
     }
   });
   return y;

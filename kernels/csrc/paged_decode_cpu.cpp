@@ -107,26 +107,6 @@ static inline void prefetch_block(const T* first_row, int64_t rows, int64_t row_
   }
 }
 
-// Lane j of the result is the sum of the 16 lanes of v[j]: four add levels of a transpose
-// tree instead of sixteen horizontal sums. The levels leave the tokens in the lane order
-// 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15, which the final permutation undoes.
-static inline __m512 sum_lanes16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int j = 0; j < 8; ++j)
-    a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
-  for (int j = 0; j < 4; ++j)
-    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x88),
-                         _mm512_shuffle_f32x4(a[j], a[j + 4], 0xDD));
-  for (int j = 0; j < 2; ++j)
-    c[j] = _mm512_add_ps(_mm512_unpacklo_ps(b[j], b[j + 2]), _mm512_unpackhi_ps(b[j], b[j + 2]));
-  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
-  const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  return _mm512_permutexvar_ps(order, d);
-}
-
 // The scores of up to 16 keys (rows of `kb`, `row` elements apart) against one query head.
 // bfloat16 with AVX512-BF16: pairwise dot products straight from the cache (q unscaled in
 // bfloat16, the scale applied to the sums); otherwise from the float tile, q pre-scaled.

@@ -62,6 +62,26 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+// Lane j of the result is the sum of the 16 lanes of v[j]: four add levels of a transpose
+// tree instead of sixteen horizontal sums. The levels leave the tokens in the lane order
+// 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15, which the final permutation undoes.
+static inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(a[j], a[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    c[j] = _mm512_add_ps(_mm512_unpacklo_ps(b[j], b[j + 2]), _mm512_unpackhi_ps(b[j], b[j + 2]));
+  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
+  const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, d);
+}
+
 // 16 bfloat16 values (raw bits) as floats: bfloat16 is the top half of a float32.
 static inline __m512 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -1,10 +1,11 @@
-"""Batch-1 decode step with the one-row bfloat16 linear (`kernels/csrc/gemv_cpu.cpp`) against
-oneDNN's packed matmul, in one process, alternating rounds.
+"""Decode steps with the few-row bfloat16 linear (`kernels/csrc/gemv_cpu.cpp`; AMX from 5
+rows, `amx_linear_cpu.cpp`) against oneDNN's packed matmul, in one process, alternating rounds.
 
-The default model, bfloat16, 2 threads, offline (`subway.LLM`): one request of 101 prompt
-tokens decodes 60 tokens per round; the median step of its last 50 is the figure.
+The default model, bfloat16, 2 threads, offline (`subway.LLM`): for each batch size B, B
+requests of 101 prompt tokens decode 60 tokens each per round; the median step of the
+last 50 is the figure. Batches past `small_linear_rows` are oneDNN's in both columns.
 
-    python -m subway.tools.bench.bench_small_linear [--rounds 3]
+    python -m subway.tools.bench.bench_small_linear [--rounds 3] [--batches 1,8,16,32]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from subway.worker.layers import PackedLinear
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", default="1", help="comma-separated batch sizes")
     a = p.parse_args(argv)
     torch.set_num_threads(2)
     llm = LLM(dtype="bfloat16", max_num_seqs=64)
@@ -41,21 +43,22 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     runner.execute = timed
-    res: dict[str, list[float]] = {"oneDNN": [], "small_linear": []}
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    for rnd in range(a.rounds):
-        for name, per_round in res.items():
-            for m in layers:
-                m.small = kernel if name == "small_linear" else None
-            runner.model.lm_head_small = kernel if name == "small_linear" else None
-            times.clear()
-            llm.generate([[1, 2, 3, 4, 5] * 20 + [rnd]], params)
-            per_round.append(statistics.median(times[-50:]) * 1e3)
-    for name, v in res.items():
-        print(f"{name:>13}: batch-1 decode step, median ms per round: "
-              f"{', '.join(f'{x:.2f}' for x in v)}")  # fmt: skip
-    ratio = statistics.mean(res["oneDNN"]) / statistics.mean(res["small_linear"])
-    print(f"small_linear: {ratio:.3f}x faster per step")
+    for b in (int(x) for x in a.batches.split(",")):
+        res: dict[str, list[float]] = {"oneDNN": [], "small_linear": []}
+        for rnd in range(a.rounds):
+            for name, per_round in res.items():
+                for m in layers:
+                    m.small = kernel if name == "small_linear" else None
+                runner.model.lm_head_small = kernel if name == "small_linear" else None
+                times.clear()
+                llm.generate([[1, 2, 3, 4, 5] * 20 + [rnd, i] for i in range(b)], params)
+                per_round.append(statistics.median(times[-50:]) * 1e3)
+        for name, v in res.items():
+            print(f"{name:>13}: batch-{b} decode step, median ms per round: "
+                  f"{', '.join(f'{x:.2f}' for x in v)}")  # fmt: skip
+        ratio = statistics.mean(res["oneDNN"]) / statistics.mean(res["small_linear"])
+        print(f"small_linear: {ratio:.3f}x faster per step at batch {b}", flush=True)
 
 
 if __name__ == "__main__":
