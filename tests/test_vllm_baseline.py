@@ -125,3 +125,25 @@ def test_measure_sends_greedy_ignore_eos_and_counts_tokens(monkeypatch) -> None:
     assert out["c1"]["per_request_tokens"] == [5, 6]
     assert out["greedy_text"] == "x" * 32
     assert all(b["temperature"] == 0.0 and b["ignore_eos"] for b in _FakeServer.bodies)
+
+
+def test_interleave_runs_each_setting_on_both_servers_abba(monkeypatch) -> None:
+    """`--interleave`: one warm-up per server, then per round each setting on one server and
+    then the other, the order reversed in the second round; results land in their round."""
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(vs_vllm, "warm_up", lambda url, reqs: {"greedy_text": url})
+
+    def fake(url: str, reqs: list, setting: tuple, max_cores: float, wait_s: float) -> dict:
+        calls.append((url, setting[0]))
+        return {"n": len(calls)}
+
+    monkeypatch.setattr(vs_vllm, "measure_setting", fake)
+    plan = [("c64", 64, 0), ("c1", 1, 8)]
+    runs = vs_vllm.interleaved({"subway": "S", "vllm": "V"}, [], plan, 2, 0.3, 1.0)
+    assert calls == [
+        ("S", "c64"), ("V", "c64"), ("S", "c1"), ("V", "c1"),
+        ("V", "c64"), ("S", "c64"), ("V", "c1"), ("S", "c1"),
+    ]  # fmt: skip
+    assert [r["c64"]["n"] for r in runs["subway"]] == [1, 6]
+    assert [r["c1"]["n"] for r in runs["vllm"]] == [4, 7]
+    assert all(r["greedy_text"] == "V" for r in runs["vllm"]) and len(runs["subway"]) == 2

@@ -8,6 +8,9 @@ temperature 0, `ignore_eos`: both servers honour it, so each request yields exac
 `max_tokens`) on the standard workload (64 requests, seed 0, all at once) under max
 concurrency 64 and 16, and one request at a time on its first `--single-stream` requests
 for inter-token latency. `--rounds 2` runs ABBA (Subway, vLLM, vLLM, Subway) so noise shows.
+`--interleave` keeps both servers up (the idle one's CPU is measured and recorded) and
+alternates them per setting instead, ABBA within each setting: on a machine whose speed
+drifts over minutes, the two runs of a pair then see the same machine.
 Prints a table (output tok/s, TTFT and ITL p50/p99, output tokens) and the Subway/vLLM ratios.
 
     python -m subway.tools.bench.vs_vllm --out docs/bench/vs_vllm.json [--rounds 2]
@@ -159,6 +162,48 @@ def greedy_text(url: str, req: workload.Request, tokens: int = 32) -> str:
         ]["text"]
 
 
+def warm_up(url: str, reqs: list[workload.Request]) -> dict[str, Any]:
+    """First-call costs outside the measurement; the server's greedy text of request 0."""
+    bench_serving.benchmark(url, compare.warmup_requests(), progress=False, keep_records=False)
+    return {"greedy_text": greedy_text(url, reqs[0])}
+
+
+def measure_setting(
+    url: str,
+    reqs: list[workload.Request],
+    setting: tuple[str, int, int],
+    max_cores: float = 0.3,
+    wait_s: float = 600.0,
+) -> dict[str, Any]:
+    """One setting, once other processes leave the CPU (under `max_cores` of it): the
+    summary, the foreign CPU before and during, per-request output tokens."""
+    name, conc, limit = setting
+    run = reqs[:limit] if limit else reqs
+    before = wait_for_quiet(max_cores, wait_s)
+    during = ForeignCpu()
+    during.start()
+    r = bench_serving.benchmark(url, run, max_concurrency=conc, progress=False)
+    m = r["metrics"]
+    out = {
+        "foreign_cores_before": before,
+        "foreign_cores_during": during.cores(),
+        "output_throughput": m["output_throughput"],
+        "ttft_ms": m["ttft_ms"],
+        "itl_ms": m["itl_ms"],
+        "tpot_ms": m["tpot_ms"],
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "output_tokens": m["output_tokens"],
+        "usage_reported": m["usage_reported"],
+        "per_request_tokens": [x["output_tokens"] for x in r["requests"]],
+        "errors": r.get("errors", []),
+    }
+    print(f"  {name}: {m['output_throughput']:.1f} tok/s, {m['output_tokens']} tokens, "
+          f"ITL p50 {m['itl_ms']['p50']:.1f} ms, foreign cores {before:.2f} before, "
+          f"{out['foreign_cores_during']:.2f} during", flush=True)  # fmt: skip
+    return out
+
+
 def measure(
     url: str,
     reqs: list[workload.Request],
@@ -166,35 +211,44 @@ def measure(
     max_cores: float = 0.3,
     wait_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Warm-up, then each setting once other processes leave the CPU (under `max_cores` of it):
-    per setting the summary, the foreign CPU before and during, per-request output tokens."""
-    bench_serving.benchmark(url, compare.warmup_requests(), progress=False, keep_records=False)
-    out: dict[str, Any] = {"greedy_text": greedy_text(url, reqs[0])}
-    for name, conc, limit in plan:
-        run = reqs[:limit] if limit else reqs
-        before = wait_for_quiet(max_cores, wait_s)
-        during = ForeignCpu()
-        during.start()
-        r = bench_serving.benchmark(url, run, max_concurrency=conc, progress=False)
-        m = r["metrics"]
-        out[name] = {
-            "foreign_cores_before": before,
-            "foreign_cores_during": during.cores(),
-            "output_throughput": m["output_throughput"],
-            "ttft_ms": m["ttft_ms"],
-            "itl_ms": m["itl_ms"],
-            "tpot_ms": m["tpot_ms"],
-            "completed": m["completed"],
-            "failed": m["failed"],
-            "output_tokens": m["output_tokens"],
-            "usage_reported": m["usage_reported"],
-            "per_request_tokens": [x["output_tokens"] for x in r["requests"]],
-            "errors": r.get("errors", []),
-        }
-        print(f"  {name}: {m['output_throughput']:.1f} tok/s, {m['output_tokens']} tokens, "
-              f"ITL p50 {m['itl_ms']['p50']:.1f} ms, foreign cores {before:.2f} before, "
-              f"{out[name]['foreign_cores_during']:.2f} during", flush=True)  # fmt: skip
+    """Warm-up, then each setting in turn (`measure_setting`)."""
+    out = warm_up(url, reqs)
+    for setting in plan:
+        out[setting[0]] = measure_setting(url, reqs, setting, max_cores, wait_s)
     return out
+
+
+def idle_cores(seconds: float = 5.0) -> float:
+    """Cores this run's own processes (the driver and its idle servers) use while idle."""
+    t0, own0 = time.monotonic(), own_jiffies(os.getpid())
+    time.sleep(seconds)  # a measurement window, not a synchronisation
+    return (own_jiffies(os.getpid()) - own0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+
+
+def interleaved(
+    servers: dict[str, str],
+    reqs: list[workload.Request],
+    plan: list[tuple[str, int, int]],
+    rounds: int,
+    max_cores: float,
+    wait_s: float,
+) -> dict[str, list[dict[str, Any]]]:
+    """Both servers up at once, each setting run on one then the other, the order reversed
+    every other round: a pair of runs of one setting is a minute or two apart, where a
+    server after server run puts a quarter of an hour between them."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for system, url in servers.items():
+        first = warm_up(url, reqs)
+        runs[system] = [dict(first) for _ in range(rounds)]
+    for rnd in range(rounds):
+        for setting in plan:
+            for system in order(rnd + 1)[-len(SYSTEMS) :]:
+                if system in servers:
+                    print(f"== {system}, round {rnd + 1}", flush=True)
+                    runs[system][rnd][setting[0]] = measure_setting(
+                        servers[system], reqs, setting, max_cores, wait_s
+                    )
+    return runs
 
 
 def median_of(runs: list[dict[str, Any]], setting: str, key: str, stat: str = "") -> float:
@@ -262,6 +316,10 @@ def main(argv: list[str] | None = None) -> None:
         help="before each measurement, wait until other processes use less CPU than this",
     )  # fmt: skip
     p.add_argument("--quiet-wait-s", type=float, default=600.0, help="the most to wait for it")
+    p.add_argument(
+        "--interleave", action="store_true",
+        help="both servers up at once, each setting on one then the other (ABBA per setting)",
+    )  # fmt: skip
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -278,18 +336,30 @@ def main(argv: list[str] | None = None) -> None:
     names = [n for n, _, _ in plan]
     if "vllm" in systems:  # install first, so that a server's start-up timeout is its own
         subprocess.run(["bash", SCRIPT, "install"], check=True, stdout=subprocess.DEVNULL)
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
-    for system in (s for s in order(a.rounds) if s in systems):
-        print(f"== {system}", flush=True)
+
+    def server(system: str) -> contextlib.AbstractContextManager[str]:
         if system == "subway":
-            server = compare.subway_server("vs-vllm", subway_flags(a.subway_args), a.threads)
-        else:
-            server = vllm_server(model, a.threads, a.kv_gib, shlex.split(a.vllm_args))
-        with server as url:
-            runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
+            return compare.subway_server("vs-vllm", subway_flags(a.subway_args), a.threads)
+        return vllm_server(model, a.threads, a.kv_gib, shlex.split(a.vllm_args))
+
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
+    idle = None
+    if a.interleave:
+        with contextlib.ExitStack() as stack:
+            urls = {s: stack.enter_context(server(s)) for s in SYSTEMS if s in systems}
+            idle = idle_cores()
+            print(f"both servers idle: {idle:.3f} cores", flush=True)
+            runs |= interleaved(urls, reqs, plan, a.rounds, a.max_foreign_cores, a.quiet_wait_s)
+    else:
+        for system in (s for s in order(a.rounds) if s in systems):
+            print(f"== {system}", flush=True)
+            with server(system) as url:
+                runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
     out: dict[str, Any] = {
         "workload": workload.summary(reqs),
         "threads": a.threads,
+        "interleave": a.interleave,
+        "idle_servers_cores": idle,
         "order": [s for s in order(a.rounds) if s in systems],
         "subway_flags": subway_flags(a.subway_args),
         "vllm_args": a.vllm_args,
