@@ -51,8 +51,10 @@ def test_quantize_rows_matches_the_reference(ops, dtype, shape):
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "rows,k,n", [(1, 576, 960), (7, 100, 33), (64, 1536, 576), (300, 64, 4096), (512, 576, 1536)]
-)
+    "rows,k,n",
+    [(1, 576, 960), (7, 100, 33), (5, 576, 960), (16, 128, 100), (33, 64, 7), (64, 1536, 576),
+     (300, 64, 4096), (512, 576, 1536)],
+)  # fmt: skip
 def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
     """Tolerances: against the exact integer arithmetic it implements, float32 rounding
     (1e-5) or one bfloat16 rounding of the output (8e-3); against the float matmul, the
@@ -71,6 +73,28 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
     assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < tol
     ref = x.double() @ w.double().T + b.double()
     assert ((y.double() - ref).norm() / ref.norm()).item() < 2.5e-2
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_decode_rows_take_amx_where_the_cpu_has_it_and_agree_with_onednn(ops, dtype):
+    """Up to `amx_int8_rows()` rows (0 without AMX) go to amx_int8_linear, from the int8
+    weight as it lies; the same sums as oneDNN's, so the two paths differ only in rounding
+    (one bfloat16 rounding against two: 1.6e-2 of the largest output, 1e-5 in float32)."""
+    torch.manual_seed(3)
+    w = (torch.randn(576, 576) * 0.05).to(dtype)
+    b = torch.randn(576).to(dtype)
+    lin = Int8Linear(w, ops)
+    assert lin.amx_rows == ops.amx_int8_rows()
+    assert (lin.q is not None) == (lin.amx_rows > 0)
+    for rows in (1, 16, 64):
+        x = torch.randn(rows, 576).to(dtype)
+        y = lin(x, b)
+        lin.amx_rows, amx_rows = 0, lin.amx_rows  # the oneDNN path for the same call
+        y_dnn = lin(x, b)
+        lin.amx_rows = amx_rows
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        assert ((y.double() - y_dnn.double()).abs().max() / y_dnn.double().abs().max()) < tol
 
 
 def test_quantize_weight_is_per_output_channel():

@@ -17,55 +17,9 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 static constexpr int64_t kAmxMaxRows = 32;
-
-// Linux hands out AMX's 8 KB of tile state only to a process that asks for it.
-static bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight tiles of 16 rows by 64 bytes: C0..C3 accumulators, A4 and A5 two weight tiles,
-// B6 and B7 two tiles of x.
-static TileConfig tile_config() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  return c;
-}
-
-// x [M, K] as B tiles: for each group of 16 rows and each chunk of 32 inputs, 16 lines of
-// 64 bytes, line p holding the pair (x[m][32c + 2p], x[m][32c + 2p + 1]) of each of the 16
-// rows m in turn; rows past M are zero. Pairs move as 32-bit words.
-static void pack_x(const uint16_t* x, int64_t M, int64_t K, std::vector<uint32_t>& out) {
-  const int64_t chunks = K / 32, groups = (M + 15) / 16, pairs = K / 2;
-  out.assign(groups * chunks * 256, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    uint32_t* g = out.data() + (m / 16) * chunks * 256 + (m % 16);
-    const uint16_t* row = x + m * K;
-    for (int64_t p = 0; p < pairs; ++p) {
-      uint32_t v;
-      std::memcpy(&v, row + 2 * p, sizeof(v));
-      g[(p / 16) * 256 + (p % 16) * 16] = v;
-    }
-  }
-}
 
 // A C tile to y: c[i][j] is output n0 + i of x's row m0 + j. Column j is gathered, the bias
 // added, rounded to bfloat16 (nearest even) and stored as 16 consecutive outputs.
@@ -133,7 +87,7 @@ int64_t amx_linear_max_rows() { return amx_permitted() ? kAmxMaxRows : 0; }
 void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, int64_t M,
                 int64_t K, int64_t N) {
   std::vector<uint32_t> xp;
-  pack_x(x, M, K, xp);
+  pack_words(x, M, K / 2, xp);
   const int64_t strips = N / 32, groups = (M + 15) / 16, strip_bytes = 32 * K * 2;
   const TileConfig config = tile_config();
   // At least 4 strips to a task: at::parallel_for splits the range evenly between threads.

@@ -1,5 +1,7 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
-and int8 (`--quantization int8`: `worker.quant.Int8Linear`, activations quantized per row).
+the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, AMX from 5 rows
+where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
+`worker.quant.Int8Linear`, activations quantized per row).
 
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
@@ -17,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from subway.kernels import cpu_ext
 from subway.worker.layers import linear, pack_weight
 from subway.worker.quant import Int8Linear, int8_ops
 
@@ -34,10 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
     packed = [[pack_weight(w, 64) for w in ws] for ws in layers]
     ops = int8_ops()
+    ext = cpu_ext.load()
+    few = ext.small_linear if ext is not None and ext.small_linear_supported() else None
+    few_rows = ext.small_linear_rows() if few is not None else 0
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
     print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
-          f"  ({a.dtype}, {a.threads} threads)")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|")
+          f" small_linear ms | small vs packed |  ({a.dtype}, {a.threads} threads)")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b in (int(x) for x in a.batches.split(",")):
         xs = {i: torch.randn(b, i, dtype=dtype) for _, i in SHAPES}
 
@@ -56,16 +62,25 @@ def main(argv: list[str] | None = None) -> None:
                 for w, q in zip(ws, qs, strict=True):
                     q(xs[w.shape[1]])
 
+        def sm(xs: dict[int, torch.Tensor] = xs) -> None:
+            for ws in layers:
+                for w in ws:
+                    few(xs[w.shape[1]], w, None)
+
+        fns = [plain, pk, q8]
+        if few is not None and dtype == torch.bfloat16 and b <= few_rows:
+            fns.append(sm)
         ms = []
-        for fn in (plain, pk, q8):
+        for fn in fns:
             fn()
             t = time.perf_counter()
             for _ in range(5):
                 fn()
             ms.append((time.perf_counter() - t) / 5 * 1e3)
+        small = f" {ms[3]:.1f} | {ms[1] / ms[3]:.2f}x |" if len(ms) > 3 else " - | - |"
         print(
             f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.1f} "
-            f"| {ms[1] / ms[2]:.2f}x |",
+            f"| {ms[1] / ms[2]:.2f}x |{small}",
             flush=True,
         )
 
