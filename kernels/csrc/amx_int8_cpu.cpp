@@ -15,7 +15,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
 #include "amx.h"
 
 static constexpr int64_t kMaxRows = 64;
@@ -54,70 +55,15 @@ inline void store_tile(const int32_t* c, const float* ws, const float* xs, const
   }
 }
 
-// One strip of 32 weight rows from n0 against groups g0 and (when two) g0 + 1 of x.
-template <int NG, typename T>
-inline void strip_times_groups(const int8_t* w, const uint32_t* xp, const float* ws,
-                               const float* xs, const T* b, T* y, int64_t K, int64_t N,
-                               int64_t M, int64_t n0, int64_t g0, const char* next,
-                               int64_t next_bytes) {
-  const int64_t chunks = K / 64;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (NG == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint32_t* x0 = xp + g0 * chunks * 256;
-  const int64_t share = next == nullptr ? 0 : (next_bytes / chunks + 63) / 64 * 64;
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t off = c * share; off < (c + 1) * share && off < next_bytes; off += 64)
-      _mm_prefetch(next + off, _MM_HINT_T1);
-    _tile_loadd(4, w + n0 * K + c * 64, K);
-    _tile_loadd(5, w + (n0 + 16) * K + c * 64, K);
-    _tile_loadd(6, x0 + c * 256, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 5, 6);
-    if constexpr (NG == 2) {
-      _tile_loadd(7, x0 + (chunks + c) * 256, 64);
-      _tile_dpbssd(2, 4, 7);
-      _tile_dpbssd(3, 5, 7);
-    }
-  }
-  alignas(64) int32_t cbuf[256];
-  _tile_stored(0, cbuf, 64);
-  store_tile(cbuf, ws, xs, b, y, N, n0, g0 * 16, M);
-  _tile_stored(1, cbuf, 64);
-  store_tile(cbuf, ws, xs, b, y, N, n0 + 16, g0 * 16, M);
-  if constexpr (NG == 2) {
-    _tile_stored(2, cbuf, 64);
-    store_tile(cbuf, ws, xs, b, y, N, n0, (g0 + 1) * 16, M);
-    _tile_stored(3, cbuf, 64);
-    store_tile(cbuf, ws, xs, b, y, N, n0 + 16, (g0 + 1) * 16, M);
-  }
-}
-
 template <typename T>
 void run(const int8_t* xq, const float* xs, const int8_t* w, const float* ws, const T* b, T* y,
          int64_t M, int64_t K, int64_t N) {
   std::vector<uint32_t> xp;
   pack_words(xq, M, K / 4, xp);
-  const int64_t strips = N / 32, groups = (M + 15) / 16, strip_bytes = 32 * K;
-  const TileConfig config = tile_config();
-  at::parallel_for(0, strips, 4, [&](int64_t s0, int64_t s1) {
-    _tile_loadconfig(&config);
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t n0 = s * 32;
-      const char* next = s + 1 < s1 ? reinterpret_cast<const char*>(w + (n0 + 32) * K) : nullptr;
-      for (int64_t g = 0; g < groups; g += 2) {
-        const char* ahead = g == 0 ? next : nullptr;
-        if (groups - g >= 2)
-          strip_times_groups<2>(w, xp.data(), ws, xs, b, y, K, N, M, n0, g, ahead, strip_bytes);
-        else
-          strip_times_groups<1>(w, xp.data(), ws, xs, b, y, K, N, M, n0, g, ahead, strip_bytes);
-      }
-    }
-    _tile_release();
-  });
+  amx_strips<true>(reinterpret_cast<const char*>(w), K, N, xp, (M + 15) / 16,
+                   [&](const uint32_t* c, int64_t n0, int64_t m0) {
+                     store_tile(reinterpret_cast<const int32_t*>(c), ws, xs, b, y, N, n0, m0, M);
+                   });
 }
 
 // The rows and columns AMX does not cover (N % 32 outputs): scalar, exact integer sums.

@@ -15,7 +15,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
 #include <immintrin.h>
 #include "amx.h"
 
@@ -37,48 +38,6 @@ static inline void store_tile(const float* c, const uint16_t* b, uint16_t* y, in
   }
 }
 
-// One strip of 32 weight rows from n0 against groups g0 and (when two) g0 + 1 of x.
-template <int NG>
-static inline void strip_times_groups(const uint16_t* w, const uint32_t* xp, const uint16_t* b,
-                                      uint16_t* y, int64_t K, int64_t N, int64_t M, int64_t n0,
-                                      int64_t g0, const char* next, int64_t next_bytes) {
-  const int64_t chunks = K / 32, stride = K * 2;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (NG == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint32_t* x0 = xp + g0 * chunks * 256;
-  // The next strip, one share per chunk, into L2 (it may be larger than L1).
-  const int64_t share = next == nullptr ? 0 : (next_bytes / chunks + 63) / 64 * 64;
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t off = c * share; off < (c + 1) * share && off < next_bytes; off += 64)
-      _mm_prefetch(next + off, _MM_HINT_T1);
-    _tile_loadd(4, w + n0 * K + c * 32, stride);
-    _tile_loadd(5, w + (n0 + 16) * K + c * 32, stride);
-    _tile_loadd(6, x0 + c * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    if constexpr (NG == 2) {
-      _tile_loadd(7, x0 + (chunks + c) * 256, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float cbuf[256];
-  _tile_stored(0, cbuf, 64);
-  store_tile(cbuf, b, y, N, n0, g0 * 16, M);
-  _tile_stored(1, cbuf, 64);
-  store_tile(cbuf, b, y, N, n0 + 16, g0 * 16, M);
-  if constexpr (NG == 2) {
-    _tile_stored(2, cbuf, 64);
-    store_tile(cbuf, b, y, N, n0, (g0 + 1) * 16, M);
-    _tile_stored(3, cbuf, 64);
-    store_tile(cbuf, b, y, N, n0 + 16, (g0 + 1) * 16, M);
-  }
-}
-
 bool amx_linear_supported() { return amx_permitted(); }
 int64_t amx_linear_max_rows() { return amx_permitted() ? kAmxMaxRows : 0; }
 
@@ -88,24 +47,10 @@ void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_
                 int64_t K, int64_t N) {
   std::vector<uint32_t> xp;
   pack_words(x, M, K / 2, xp);
-  const int64_t strips = N / 32, groups = (M + 15) / 16, strip_bytes = 32 * K * 2;
-  const TileConfig config = tile_config();
-  // At least 4 strips to a task: at::parallel_for splits the range evenly between threads.
-  at::parallel_for(0, strips, 4, [&](int64_t s0, int64_t s1) {
-    _tile_loadconfig(&config);
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t n0 = s * 32;
-      const char* next = s + 1 < s1 ? reinterpret_cast<const char*>(w + (n0 + 32) * K) : nullptr;
-      for (int64_t g = 0; g < groups; g += 2) {
-        const char* ahead = g == 0 ? next : nullptr;  // the strip streams in once
-        if (groups - g >= 2)
-          strip_times_groups<2>(w, xp.data(), b, y, K, N, M, n0, g, ahead, strip_bytes);
-        else
-          strip_times_groups<1>(w, xp.data(), b, y, K, N, M, n0, g, ahead, strip_bytes);
-      }
-    }
-    _tile_release();  // oneDNN configures its own tiles on each call
-  });
+  amx_strips<false>(reinterpret_cast<const char*>(w), K * 2, N, xp, (M + 15) / 16,
+                    [&](const uint32_t* c, int64_t n0, int64_t m0) {
+                      store_tile(reinterpret_cast<const float*>(c), b, y, N, n0, m0, M);
+                    });
 }
 
 #else
