@@ -8,6 +8,8 @@
 // L1 and `_mm512_dpbf16_ps` accumulating in float32; each output is rounded to bfloat16 once.
 // Sums run in another order than oneDNN's, so results may differ from F.linear's in the last
 // place (the float32 sum rounded once: within one bfloat16 ulp of the exact result).
+// From 5 rows on (up to 32), where the CPU has AMX, `small_linear` hands the weight's whole
+// 32-row strips to amx_linear_cpu.cpp and keeps only the last N % 32 rows here.
 #include <ATen/ATen.h>
 #include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
