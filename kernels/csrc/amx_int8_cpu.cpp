@@ -58,7 +58,7 @@ inline void store_tile(const int32_t* c, const float* ws, const float* xs, const
 template <typename T>
 void run(const int8_t* xq, const float* xs, const int8_t* w, const float* ws, const T* b, T* y,
          int64_t M, int64_t K, int64_t N) {
-  std::vector<uint32_t> xp;
+  static thread_local std::vector<uint32_t> xp;  // reused: no allocation per call
   pack_words(xq, M, K / 4, xp);
   amx_strips<true>(reinterpret_cast<const char*>(w), K, N, xp, (M + 15) / 16,
                    [&](const uint32_t* c, int64_t n0, int64_t m0) {

@@ -45,7 +45,7 @@ int64_t amx_linear_max_rows() { return amx_permitted() ? kAmxMaxRows : 0; }
 // bfloat16 bits, contiguous, K a multiple of 32, 1 <= M <= kAmxMaxRows.
 void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, int64_t M,
                 int64_t K, int64_t N) {
-  std::vector<uint32_t> xp;
+  static thread_local std::vector<uint32_t> xp;  // reused: no allocation per call
   pack_words(x, M, K / 2, xp);
   amx_strips<false>(reinterpret_cast<const char*>(w), K * 2, N, xp, (M + 15) / 16,
                     [&](const uint32_t* c, int64_t n0, int64_t m0) {
