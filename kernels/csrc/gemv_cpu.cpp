@@ -73,17 +73,6 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
       for (int m = 0; m < G; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
     }
   }
-  if constexpr (G == 4) {  // sixteen sums at once (vec_math.h)
-    if (rows == kStripe) {
-      alignas(64) float s[16];
-      _mm512_store_ps(s, sum_lanes16(&acc[0][0]));
-      for (int m = 0; m < G; ++m)
-        for (int j = 0; j < kStripe; ++j)
-          y[m * N + n + j] =
-              to_bf16(s[m * kStripe + j] + (b != nullptr ? bf16_to_float(b[n + j]) : 0.f));
-      return;
-    }
-  }
   for (int m = 0; m < G; ++m)
     for (int j = 0; j < rows; ++j) {
       float s = _mm512_reduce_add_ps(acc[m][j]);
@@ -145,7 +134,7 @@ static inline void group_times_stripe(const float* x, const uint16_t* w, const u
 
 #endif
 
-// amx_linear_cpu.cpp: 5 to 64 rows where the CPU has AMX.
+// amx_linear_cpu.cpp: 5 to 32 rows where the CPU has AMX.
 bool amx_linear_supported();
 int64_t amx_linear_max_rows();
 void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y, int64_t M,
