@@ -53,7 +53,7 @@ def test_quantize_rows_matches_the_reference(ops, dtype, shape):
 @pytest.mark.parametrize(
     "rows,k,n",
     [(1, 576, 960), (7, 100, 33), (5, 576, 960), (16, 128, 100), (33, 64, 7), (64, 1536, 576),
-     (300, 64, 4096), (512, 576, 1536)],
+     (200, 576, 1000), (300, 64, 4096), (512, 576, 1536)],
 )  # fmt: skip
 def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
     """Tolerances: against the exact integer arithmetic it implements, float32 rounding
@@ -77,24 +77,45 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_decode_rows_take_amx_where_the_cpu_has_it_and_agree_with_onednn(ops, dtype):
-    """Up to `amx_int8_rows()` rows (0 without AMX) go to amx_int8_linear, from the int8
-    weight as it lies; the same sums as oneDNN's, so the two paths differ only in rounding
-    (one bfloat16 rounding against two: 1.6e-2 of the largest output, 1e-5 in float32)."""
+def test_int8_calls_up_to_amx_rows_take_amx_and_agree_with_onednn(ops, dtype):
+    """Up to `amx_int8_rows()` rows (0 without AMX) go to amx_int8_matmul, from the weight
+    packed as AMX tiles; the same sums as oneDNN's, so the two paths differ only in
+    rounding (one bfloat16 rounding against two: 1.6e-2 of the largest output, 1e-5 in
+    float32). Rows 1, 15 (a partial tile), 64 and 200 (partial again, 13 tiles), N = 600
+    (not whole strips of 32 outputs)."""
     torch.manual_seed(3)
-    w = (torch.randn(576, 576) * 0.05).to(dtype)
-    b = torch.randn(576).to(dtype)
+    w = (torch.randn(600, 576) * 0.05).to(dtype)
+    b = torch.randn(600).to(dtype)
     lin = Int8Linear(w, ops)
-    assert lin.amx_rows == ops.amx_int8_rows()
-    assert (lin.q is not None) == (lin.amx_rows > 0)
-    for rows in (1, 16, 64):
+    dnn = Int8Linear(w, ops, amx=False)
+    assert lin.amx_rows == ops.amx_int8_rows() and dnn.amx_rows == 0
+    assert (lin.tiles is not None) == (lin.amx_rows > 0)
+    for rows in (1, 15, 64, 200):
         x = torch.randn(rows, 576).to(dtype)
-        y = lin(x, b)
-        lin.amx_rows, amx_rows = 0, lin.amx_rows  # the oneDNN path for the same call
-        y_dnn = lin(x, b)
-        lin.amx_rows = amx_rows
+        y, y_dnn = lin(x, b), dnn(x, b)
         tol = 1e-5 if dtype == torch.float32 else 1.6e-2
         assert ((y.double() - y_dnn.double()).abs().max() / y_dnn.double().abs().max()) < tol
+        # A row's outputs do not depend on the other rows of its call.
+        assert torch.equal(lin(x[-1:], b)[0], y[-1])
+
+
+@needs_vnni
+def test_amx_int8_matmul_refuses_what_it_cannot_take(ops):
+    q, s = quantize_weight(torch.randn(64, 128))
+    xq, xs = ops.quantize_rows(torch.randn(4, 128))
+    if not ops.amx_int8_rows():  # no AMX here: a clear error, and Int8Linear never calls it
+        with pytest.raises(RuntimeError, match="AMX"):
+            ops.amx_int8_matmul(xq, xs, q.view(torch.int32), s, None, torch.float32)
+        return
+    tiles = ops.amx_int8_pack(q)
+    ops.amx_int8_matmul(xq, xs, tiles, s, None, torch.float32)
+    with pytest.raises(RuntimeError, match="amx_int8_pack"):
+        ops.amx_int8_matmul(xq, xs, tiles[:-1], s, None, torch.float32)  # a short weight
+    too_many = ops.quantize_rows(torch.randn(ops.amx_int8_rows() + 1, 128))
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.amx_int8_matmul(*too_many, tiles, s, None, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.amx_int8_pack(torch.zeros(8, 100, dtype=torch.int8))
 
 
 def test_quantize_weight_is_per_output_channel():

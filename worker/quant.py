@@ -3,7 +3,8 @@
 Each linear weight is quantized once, after loading and sharding (so under tensor
 parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
-per row, `Kernels.quantize_rows`), the int8 matmul runs in oneDNN (VNNI or AMX,
+per row, `Kernels.quantize_rows`), the int8 matmul runs on AMX's int8 tiles where the
+CPU has them (kernels/csrc/amx_int8_cpu.cpp), else in oneDNN (VNNI,
 `onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled
 back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
 activation outliers into the weights first); embeddings, norms and attention stay in
@@ -75,15 +76,18 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """One linear layer's int8 weight, prepacked for oneDNN, and the call that uses it.
+    """One linear layer's int8 weight and the call that uses it.
 
     `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
-    (`quantize_rows`), the int8 matmul with the weight's per-channel scales folded in
-    (oneDNN, output in x's dtype), then each row times its own scale and plus the bias
-    (`rescale_rows_`, in place).
+    (`quantize_rows`), the exact int8 sums, each output times its row's and its
+    channel's scale, plus the bias. Where the CPU has AMX (kernels/csrc/amx_int8_cpu.cpp)
+    calls of up to `amx_rows` rows (decode batches, small chunks) multiply the weight
+    packed as AMX tiles (`tiles`) and round once. Past that (or with `amx=False`, or in
+    another dtype) oneDNN's int8 matmul takes its own prepacked copy (`packed`), folds
+    the channel scales in, and `rescale_rows_` applies the row's.
     """
 
-    def __init__(self, weight: torch.Tensor, ops: object) -> None:
+    def __init__(self, weight: torch.Tensor, ops: object, amx: bool = True) -> None:
         q, scales = quantize_weight(weight)
         self.out_features, self.in_features = q.shape
         self.scales = scales
@@ -92,12 +96,11 @@ class Int8Linear:
         self._quantize = ops.quantize_rows
         self._rescale = ops.rescale_rows_
         self._matmul = torch.ops.onednn.qlinear_pointwise
-        # Decode batches on AMX where the CPU has it (kernels/csrc/amx_int8_cpu.cpp), from
-        # the int8 weight as it lies: oneDNN's int8 matmul reads it no faster than bfloat16.
-        amx = getattr(ops, "amx_int8_linear", None)
-        self.amx_rows = ops.amx_int8_rows() if amx is not None and q.shape[1] % 64 == 0 else 0
-        self.q = q if self.amx_rows else None
-        self._amx = amx
+        # oneDNN's int8 matmul reads this VM's int8 weights no faster than bfloat16 ones.
+        has_amx = amx and hasattr(ops, "amx_int8_matmul") and q.shape[1] % 64 == 0
+        self.amx_rows = ops.amx_int8_rows() if has_amx else 0
+        self.tiles = ops.amx_int8_pack(q) if self.amx_rows else None
+        self._amx = getattr(ops, "amx_int8_matmul", None)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not x.is_contiguous():
@@ -105,7 +108,7 @@ class Int8Linear:
         q, s = self._quantize(x)
         if x.shape[0] <= self.amx_rows and x.dtype in (torch.bfloat16, torch.float32):
             b = None if bias is None else bias.to(x.dtype).contiguous()
-            return self._amx(q, s, self.q, self.scales, b, x.dtype)
+            return self._amx(q, s, self.tiles, self.scales, b, x.dtype)
         y = self._matmul(
             q, 1.0, 0, self.packed, self.scales, self.zero_points, None,
             1.0, 0, x.dtype, "none", [], "",

@@ -47,7 +47,7 @@ void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_
                 int64_t K, int64_t N) {
   static thread_local std::vector<uint32_t> xp;  // reused: no allocation per call
   pack_words(x, M, K / 2, xp);
-  amx_strips<false>(reinterpret_cast<const char*>(w), K * 2, N, xp, (M + 15) / 16,
+  amx_strips(reinterpret_cast<const char*>(w), K * 2, N, xp, (M + 15) / 16,
                     [&](const uint32_t* c, int64_t n0, int64_t m0) {
                       store_tile(reinterpret_cast<const float*>(c), b, y, N, n0, m0, M);
                     });

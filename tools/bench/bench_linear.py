@@ -1,7 +1,8 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
 the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, AMX from 5 rows
 where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
-`worker.quant.Int8Linear`, activations quantized per row).
+`worker.quant.Int8Linear`, activations quantized per row; AMX up to `amx_int8_rows` rows
+where the CPU has it, and the same call on oneDNN alone beside it).
 
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
@@ -41,9 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     few = ext.small_linear if ext is not None and ext.small_linear_supported() else None
     few_rows = ext.small_linear_rows() if few is not None else 0
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
+    int8_dnn = [[Int8Linear(w, ops, amx=False) for w in ws] for ws in layers]
     print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
-          f" small_linear ms | small vs packed |  ({a.dtype}, {a.threads} threads)")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f" small_linear ms | small vs packed | int8 oneDNN ms | int8 vs int8 oneDNN |"
+          f"  ({a.dtype}, {a.threads} threads)")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b in (int(x) for x in a.batches.split(",")):
         xs = {i: torch.randn(b, i, dtype=dtype) for _, i in SHAPES}
 
@@ -57,17 +60,20 @@ def main(argv: list[str] | None = None) -> None:
                 for w, pw in zip(ws, ps, strict=True):
                     linear(xs[w.shape[1]], w, None, pw)
 
-        def q8(xs: dict[int, torch.Tensor] = xs) -> None:
+        def q8(xs: dict[int, torch.Tensor] = xs, int8: list = int8) -> None:
             for ws, qs in zip(layers, int8, strict=True):
                 for w, q in zip(ws, qs, strict=True):
                     q(xs[w.shape[1]])
+
+        def q8_dnn(xs: dict[int, torch.Tensor] = xs) -> None:
+            q8(xs, int8_dnn)
 
         def sm(xs: dict[int, torch.Tensor] = xs) -> None:
             for ws in layers:
                 for w in ws:
                     few(xs[w.shape[1]], w, None)
 
-        fns = [plain, pk, q8]
+        fns = [plain, pk, q8, q8_dnn]
         if few is not None and dtype == torch.bfloat16 and b <= few_rows:
             fns.append(sm)
         ms = []
@@ -77,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(5):
                 fn()
             ms.append((time.perf_counter() - t) / 5 * 1e3)
-        small = f" {ms[3]:.1f} | {ms[1] / ms[3]:.2f}x |" if len(ms) > 3 else " - | - |"
+        small = f" {ms[4]:.1f} | {ms[1] / ms[4]:.2f}x |" if len(ms) > 4 else " - | - |"
         print(
             f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.1f} "
-            f"| {ms[1] / ms[2]:.2f}x |{small}",
+            f"| {ms[1] / ms[2]:.2f}x |{small} {ms[3]:.1f} | {ms[3] / ms[2]:.2f}x |",
             flush=True,
         )
 
