@@ -77,22 +77,23 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_calls_up_to_amx_rows_take_amx_and_agree_with_onednn(ops, dtype):
-    """Up to `amx_int8_rows()` rows (0 without AMX) go to amx_int8_matmul, from the weight
-    packed as AMX tiles; the same sums as oneDNN's, so the two paths differ only in
-    rounding (one bfloat16 rounding against two: 1.6e-2 of the largest output, 1e-5 in
-    float32). Rows 1, 15 (a partial tile), 64 and 200 (partial again, 13 tiles), N = 600
-    (not whole strips of 32 outputs)."""
+def test_int8_on_amx_agrees_with_onednn(ops, dtype):
+    """Where the CPU has AMX every call goes to amx_int8_matmul, from the weight packed as
+    AMX tiles (and oneDNN's copy is not made); the same sums as oneDNN's, so the two paths
+    differ only in rounding (one bfloat16 rounding against two: 1.6e-2 of the largest
+    output, 1e-5 in float32). Rows 1, 15 (a partial
+    tile), 64, 200 and 300 (partial again), N = 600 (not whole strips of 32 outputs)."""
     torch.manual_seed(3)
     w = (torch.randn(600, 576) * 0.05).to(dtype)
     b = torch.randn(600).to(dtype)
     lin = Int8Linear(w, ops)
     dnn = Int8Linear(w, ops, amx=False)
-    assert lin.amx_rows == ops.amx_int8_rows() and dnn.amx_rows == 0
-    assert (lin.tiles is not None) == (lin.amx_rows > 0)
-    for rows in (1, 15, 64, 200):
+    assert lin.amx == ops.amx_int8_supported() and not dnn.amx
+    assert (lin.tiles is not None, lin.packed is None) == (lin.amx, lin.amx)
+    for rows in (1, 15, 64, 200, 300):
         x = torch.randn(rows, 576).to(dtype)
         y, y_dnn = lin(x, b), dnn(x, b)
+        assert y.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 1.6e-2
         assert ((y.double() - y_dnn.double()).abs().max() / y_dnn.double().abs().max()) < tol
         # A row's outputs do not depend on the other rows of its call.
@@ -103,7 +104,7 @@ def test_int8_calls_up_to_amx_rows_take_amx_and_agree_with_onednn(ops, dtype):
 def test_amx_int8_matmul_refuses_what_it_cannot_take(ops):
     q, s = quantize_weight(torch.randn(64, 128))
     xq, xs = ops.quantize_rows(torch.randn(4, 128))
-    if not ops.amx_int8_rows():  # no AMX here: a clear error, and Int8Linear never calls it
+    if not ops.amx_int8_supported():  # no AMX here: a clear error, and Int8Linear never calls it
         with pytest.raises(RuntimeError, match="AMX"):
             ops.amx_int8_matmul(xq, xs, q.view(torch.int32), s, None, torch.float32)
         return
@@ -111,9 +112,8 @@ def test_amx_int8_matmul_refuses_what_it_cannot_take(ops):
     ops.amx_int8_matmul(xq, xs, tiles, s, None, torch.float32)
     with pytest.raises(RuntimeError, match="amx_int8_pack"):
         ops.amx_int8_matmul(xq, xs, tiles[:-1], s, None, torch.float32)  # a short weight
-    too_many = ops.quantize_rows(torch.randn(ops.amx_int8_rows() + 1, 128))
-    with pytest.raises(RuntimeError, match="rows"):
-        ops.amx_int8_matmul(*too_many, tiles, s, None, torch.float32)
+    with pytest.raises(RuntimeError, match="one per row"):
+        ops.amx_int8_matmul(xq, xs[:-1], tiles, s, None, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ops.amx_int8_pack(torch.zeros(8, 100, dtype=torch.int8))
 
@@ -131,6 +131,9 @@ def test_unsupported_settings_are_refused_at_start():
 
     assert unsupported_reason(EngineConfig.build(quantization="int8", device="cuda"))
     assert unsupported_reason(EngineConfig.build(quantization="int8", cpu_ext=False))
+    assert "float16" in unsupported_reason(
+        EngineConfig.build(quantization="int8", device="cpu", dtype="float16")
+    )
     if quant.cpu_has_vnni():
         assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
     with pytest.raises(SystemExit, match="CPU-only"):

@@ -58,6 +58,8 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
             )
         if not config.model.cpu_ext:
             return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
+        if config.model.dtype in ("float16", "half"):
+            return "--quantization int8 runs in bfloat16 or float32 (not --dtype float16)"
     if kv == "int8" and not config.model.cpu_ext:
         return "--kv-cache-dtype int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
     if kv == "int8" and config.model.kernels == "triton":
@@ -81,10 +83,10 @@ class Int8Linear:
     `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
     (`quantize_rows`), the exact int8 sums, each output times its row's and its
     channel's scale, plus the bias. Where the CPU has AMX (kernels/csrc/amx_int8_cpu.cpp)
-    calls of up to `amx_rows` rows (decode batches, small chunks) multiply the weight
-    packed as AMX tiles (`tiles`) and round once. Past that (or with `amx=False`, or in
-    another dtype) oneDNN's int8 matmul takes its own prepacked copy (`packed`), folds
-    the channel scales in, and `rescale_rows_` applies the row's.
+    the weight is held only as AMX tiles (`tiles`), and every call takes them, rounding
+    once.
+    Elsewhere (or with `amx=False`) oneDNN's int8 matmul takes its prepacked copy
+    (`packed`) and folds the channel scales in; `rescale_rows_` then applies the row's.
     """
 
     def __init__(self, weight: torch.Tensor, ops: object, amx: bool = True) -> None:
@@ -92,21 +94,20 @@ class Int8Linear:
         self.out_features, self.in_features = q.shape
         self.scales = scales
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
-        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
         self._quantize = ops.quantize_rows
         self._rescale = ops.rescale_rows_
         self._matmul = torch.ops.onednn.qlinear_pointwise
         # oneDNN's int8 matmul reads this VM's int8 weights no faster than bfloat16 ones.
-        has_amx = amx and hasattr(ops, "amx_int8_matmul") and q.shape[1] % 64 == 0
-        self.amx_rows = ops.amx_int8_rows() if has_amx else 0
-        self.tiles = ops.amx_int8_pack(q) if self.amx_rows else None
-        self._amx = getattr(ops, "amx_int8_matmul", None)
+        self.amx = amx and q.shape[1] % 64 == 0 and ops.amx_int8_supported()
+        self._amx = ops.amx_int8_matmul
+        self.tiles = ops.amx_int8_pack(q) if self.amx else None
+        self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(q, None)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
         q, s = self._quantize(x)
-        if x.shape[0] <= self.amx_rows and x.dtype in (torch.bfloat16, torch.float32):
+        if self.amx:  # x is bfloat16 or float32, as quantize_rows requires
             b = None if bias is None else bias.to(x.dtype).contiguous()
             return self._amx(q, s, self.tiles, self.scales, b, x.dtype)
         y = self._matmul(

@@ -1,4 +1,4 @@
-// The int8 linear of `--quantization int8` on AMX, for up to kMaxRows rows of x:
+// The int8 linear of `--quantization int8` on AMX:
 // y = (xq wq^T) * x_scale[row] * w_scale[col] (+ bias), in x's dtype (bfloat16 or float32).
 //
 // x's int8 rows (from quantize_rows) are AMX's A operand as they lie, 16 rows to a tile,
@@ -9,9 +9,9 @@
 // after the row's). The threads split the strips.
 //
 // On this project's VM (docs/BENCHMARKS.md) oneDNN's int8 matmul reads the int8 weight no
-// faster than its bfloat16 one, so decode batches gain most: about 2.6x at 1-16 rows. The
-// lead shrinks with the rows (1.2x at 256), and from about 512 rows oneDNN is as fast or
-// faster: past kMaxRows (prefill chunks) Int8Linear calls oneDNN.
+// faster than its bfloat16 one, and this kernel is faster at every row count measured:
+// about 2.3x at 1-16 rows, 1.6x at 64, 1.15-1.2x from 256 to 2048. So where the CPU has
+// AMX, Int8Linear holds only this packed weight and calls this kernel for every call.
 #include <ATen/ATen.h>
 #include <torch/types.h>
 #include <torch/library.h>
@@ -24,7 +24,6 @@
     defined(__linux__)
 #include "amx.h"
 
-static constexpr int64_t kMaxRows = 256;
 
 namespace {
 
@@ -63,8 +62,12 @@ inline void store_rows(const int32_t* c, const float* ws, const float* xs, const
   }
 }
 
-// Up to kMaxRows rows of x (at most 384 KB, K = 1536) stay in L2 while a thread takes each
-// of its strips of the weight against all of them.
+// Each thread takes its share of the weight's strips against each pair of x's groups in
+// turn: the pair (32 rows, at most 48 KB) stays in L1 while the strips stream from L2 (a
+// thread's share of a layer's weight is at most 0.9 MB here), and the first pair streams
+// them in from memory. Against larger passes of x (each held while the strips go by), at
+// 512 and 2048 rows against oneDNN: 1.15-1.2x this way, 1.0-1.14x with passes of 64 or 128
+// rows, 0.85-0.93x with 256 or 512 (ad-hoc runs, docs/BENCHMARKS.md).
 template <typename T>
 void run(const int8_t* xq, const float* xs, const uint32_t* wb, const float* ws, const T* b, T* y,
          int64_t M, int64_t K, int64_t N) {
@@ -82,12 +85,13 @@ void run(const int8_t* xq, const float* xs, const uint32_t* wb, const float* ws,
   const TileConfig config = tile_config();
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     _tile_loadconfig(&config);
-    for (int64_t s = s0; s < s1; ++s) {
-      const uint32_t* w0 = wb + s * strip_words;  // the strip's two halves' tiles
-      const uint32_t* w1 = w0 + chunks * 256;
-      // The weight streams in once: the first block prefetches the next strip.
-      const char* next = s + 1 < s1 ? reinterpret_cast<const char*>(w0 + strip_words) : nullptr;
-      for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t g = 0; g < groups; g += 2) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const uint32_t* w0 = wb + s * strip_words;  // the strip's two halves' tiles
+        const uint32_t* w1 = w0 + chunks * 256;
+        // The first pair prefetches the next strip from memory into L2.
+        const char* ahead =
+            g == 0 && s + 1 < s1 ? reinterpret_cast<const char*>(w0 + strip_words) : nullptr;
         // y's lines for this block, fetched for writing while its sums are computed: y is
         // new memory, and stores that wait for their lines hold the tiles up (at 256 rows
         // 1.32x oneDNN's speed with this, 1.18x without: one run each).
@@ -98,7 +102,6 @@ void run(const int8_t* xq, const float* xs, const uint32_t* wb, const float* ws,
           store_rows(reinterpret_cast<const int32_t*>(c), ws, xs, b, y, N, s * 32 + 16 * j,
                      (g + i) * 16, M);
         };
-        const char* ahead = g == 0 ? next : nullptr;
         const int64_t bytes = strip_words * 4;
         if (groups - g >= 2)
           amx_block<2, 2, true>(group(g), group(g + 1), K, w0, w1, chunks, ahead, bytes, store);
@@ -112,7 +115,7 @@ void run(const int8_t* xq, const float* xs, const uint32_t* wb, const float* ws,
 
 }  // namespace
 
-int64_t amx_int8_rows() { return amx_permitted() ? kMaxRows : 0; }
+bool amx_int8_supported() { return amx_permitted(); }
 
 // The weight [N, K] as B tiles for run(): pack_words' layout of its rows (for each 16
 // outputs and each 64 inputs, 256 words), zero rows added up to a multiple of 32 outputs.
@@ -128,14 +131,14 @@ at::Tensor amx_int8_pack(const at::Tensor& wq) {
   return out;
 }
 
-// y [M, N] = int8 x [M, K] against the packed weight (amx_int8_pack), 1 to kMaxRows rows.
+// y [M, N] = int8 x [M, K] against the packed weight (amx_int8_pack), any number of rows.
 at::Tensor amx_int8_matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wb,
                            const at::Tensor& ws, const c10::optional<at::Tensor>& bias,
                            at::ScalarType dtype) {
   TORCH_CHECK(amx_permitted(), "amx_int8_matmul: no AMX here");
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous() &&
-                  xq.size(1) % 64 == 0 && xq.size(0) >= 1 && xq.size(0) <= kMaxRows,
-              "amx_int8_matmul: contiguous int8 x [1 to ", kMaxRows, " rows, in a multiple of 64]");
+                  xq.size(1) % 64 == 0 && xq.size(0) >= 1,
+              "amx_int8_matmul: contiguous int8 x [rows, in], in a multiple of 64");
   const int64_t M = xq.size(0), K = xq.size(1), N = ws.numel();
   TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.numel() == M && xs.is_contiguous() &&
                   ws.scalar_type() == at::kFloat && ws.is_contiguous() && N >= 1,
@@ -162,7 +165,7 @@ at::Tensor amx_int8_matmul(const at::Tensor& xq, const at::Tensor& xs, const at:
 
 #else
 
-int64_t amx_int8_rows() { return 0; }
+bool amx_int8_supported() { return false; }
 at::Tensor amx_int8_pack(const at::Tensor& wq) {
   TORCH_CHECK(false, "amx_int8_pack needs AMX-INT8 (and Linux)");
   return wq;
@@ -176,7 +179,7 @@ at::Tensor amx_int8_matmul(const at::Tensor& xq, const at::Tensor&, const at::Te
 #endif
 
 TORCH_LIBRARY_FRAGMENT(subway_int8, m) {
-  m.def("amx_int8_rows() -> int", &amx_int8_rows);
+  m.def("amx_int8_supported() -> bool", &amx_int8_supported);
   m.def("amx_int8_pack(Tensor wq) -> Tensor", &amx_int8_pack);
   m.def("amx_int8_matmul(Tensor xq, Tensor xs, Tensor wb, Tensor ws, Tensor? bias, ScalarType dtype) -> Tensor",
         &amx_int8_matmul);

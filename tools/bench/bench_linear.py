@@ -1,8 +1,8 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
 the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, AMX from 5 rows
 where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
-`worker.quant.Int8Linear`, activations quantized per row; AMX up to `amx_int8_rows` rows
-where the CPU has it, and the same call on oneDNN alone beside it).
+`worker.quant.Int8Linear`, activations quantized per row; on AMX where the CPU has it,
+and the same call on oneDNN beside it).
 
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
