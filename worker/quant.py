@@ -84,8 +84,7 @@ class Int8Linear:
     (`quantize_rows`), the exact int8 sums, each output times its row's and its
     channel's scale, plus the bias. Where the CPU has AMX (kernels/csrc/amx_int8_cpu.cpp)
     the weight is held only as AMX tiles (`tiles`), and every call takes them, rounding
-    once.
-    Elsewhere (or with `amx=False`) oneDNN's int8 matmul takes its prepacked copy
+    once. Elsewhere (or with `amx=False`) oneDNN's int8 matmul takes its prepacked copy
     (`packed`) and folds the channel scales in; `rescale_rows_` then applies the row's.
     """
 
@@ -93,7 +92,6 @@ class Int8Linear:
         q, scales = quantize_weight(weight)
         self.out_features, self.in_features = q.shape
         self.scales = scales
-        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self._quantize = ops.quantize_rows
         self._rescale = ops.rescale_rows_
         self._matmul = torch.ops.onednn.qlinear_pointwise
@@ -102,6 +100,7 @@ class Int8Linear:
         self._amx = ops.amx_int8_matmul
         self.tiles = ops.amx_int8_pack(q) if self.amx else None
         self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(q, None)
+        self.zero_points = None if self.amx else torch.zeros(self.out_features, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not x.is_contiguous():
