@@ -368,6 +368,21 @@ def test_bench_linear_prints_both_paths(capsys) -> None:
     assert row.startswith("| 2 |") and plain > 0 and packed > 0
 
 
+def test_bench_amx_prints_each_instruction(capsys) -> None:
+    """The probe builds and runs here; where the kernels have AMX, so does its tile part."""
+    from subway.kernels import cpu_ext
+    from subway.tools.bench import bench_amx
+    from subway.worker.quant import int8_ops
+
+    bench_amx.main(["--rounds", "1"])
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in lines}
+    assert float(rows["fma"]) > 0 if cpu_ext.load().has_avx512() else rows["fma"] == "-"
+    if int8_ops().amx_int8_supported():
+        names = ("tdpbf16ps", "tdpbssd", "load+tdp@32KB", "load+tdp@1024KB", "load+tdp@65536KB")
+        assert all(float(rows[n]) > 0 for n in names)
+
+
 # ---------------------------------------------------------------- lm-eval task
 
 

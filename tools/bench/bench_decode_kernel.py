@@ -1,12 +1,14 @@
 """The CPU decode-attention kernel against the PyTorch reference, side by side.
 
-    python -m subway.tools.bench.bench_decode_kernel [--without-avx512 BUILD_DIR]
+    python -m subway.tools.bench.bench_decode_kernel [--without-avx512 BUILD_DIR] [--layers 30]
 
 `--without-avx512`: the kernels built again into BUILD_DIR with `-mno-avx512f`,
 so that a machine with AVX-512 measures the AVX2 path that CPUs without it take.
 64 decodes with SmolLM2-135M's heads (9 query, 3 KV, head dim 64), block size
 16, one layer's cache; contexts either mixed (1 to 300 tokens, random block
 tables) or all 257 tokens. Median of 10 calls each, same inputs, same process.
+Then a whole step's attention (`--layers` layers, each with its own cache, from
+memory) against a plain read of as many bytes (`against_a_plain_read`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,46 @@ def median_ms(fn, n: int = 10) -> float:
     return 1e3 * sorted(times)[n // 2]
 
 
+def against_a_plain_read(ext, layers: int, rounds: int = 5) -> None:
+    """A whole step's decode attention (64 x 257 tokens, bfloat16, `layers` layers with their
+    own caches, so that the KV comes from memory as in a real step) against `torch.sum` over
+    a float32 tensor of the same bytes, interleaved, the median of `rounds`: how close the
+    kernel reads its KV to the rate at which this machine streams memory."""
+    n, heads, kv_heads, d, bs, ctx = 64, 9, 3, 64, 16, 257
+    per_seq = -(-ctx // bs)
+    rng = np.random.default_rng(1)
+    tables = torch.from_numpy(rng.permutation(n * per_seq).astype(np.int32).reshape(n, per_seq))
+    lens = torch.full((n,), ctx, dtype=torch.int32)
+    q = torch.randn(n, heads, d, dtype=torch.bfloat16)
+    shape = (n * per_seq, bs, kv_heads, d)
+    caches = [(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16))
+              for _ in range(layers)]  # fmt: skip
+    read = n * ctx * kv_heads * d * 2 * 2 * layers  # the bytes of K and V the step reads
+    plain = torch.randn(read // 4)
+
+    def step() -> None:
+        for kc, vc in caches:
+            ext.paged_decode(q, kc, vc, tables, lens, 0.125)
+
+    step(), plain.sum()
+    kernel_s, sum_s = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        step()
+        kernel_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        plain.sum()
+        sum_s.append(time.perf_counter() - t)
+    k, r = sorted(kernel_s)[rounds // 2], sorted(sum_s)[rounds // 2]
+    print(f"\n{layers} layers' caches, 64 x 257 tokens, bfloat16 ({read / 1e6:.0f} MB of K and V), "
+          f"median of {rounds} interleaved rounds:")  # fmt: skip
+    print("| | ms | GB/s |")
+    print("|---|---:|---:|")
+    print(f"| decode attention | {1e3 * k:.1f} | {read / k / 1e9:.1f} |")
+    print(f"| torch.sum of as many bytes | {1e3 * r:.1f} | {read / r / 1e9:.1f} |")
+    print(f"the kernel reads at {r / k:.0%} of the plain read's rate")
+
+
 def build_without_avx512(directory: str):
     from torch.utils import cpp_extension
 
@@ -48,6 +90,7 @@ def build_without_avx512(directory: str):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--without-avx512", default="", metavar="BUILD_DIR")
+    p.add_argument("--layers", type=int, default=30, help="for the whole-step read (0: skip it)")
     a = p.parse_args(argv)
     ext = build_without_avx512(a.without_avx512) if a.without_avx512 else cpu_ext.load()
     if ext is None:
@@ -79,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             name = str(dtype).removeprefix("torch.")
             print(f"| {label} | {name} | {ours:.2f} | {loop:.2f} | {ref:.2f} | {loop / ours:.1f}x "
                   f"| {ref / ours:.1f}x |")  # fmt: skip
+    if a.layers > 0:
+        against_a_plain_read(ext, a.layers)
 
 
 if __name__ == "__main__":
