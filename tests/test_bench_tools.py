@@ -383,6 +383,21 @@ def test_bench_amx_prints_each_instruction(capsys) -> None:
         assert all(float(rows[n]) > 0 for n in names)
 
 
+def test_attention_against_a_plain_read_prints_both_rates(capsys) -> None:
+    from subway.kernels import cpu_ext
+    from subway.tools.bench.bench_decode_kernel import against_a_plain_read
+
+    against_a_plain_read(cpu_ext.load(), layers=1, rounds=1)
+    out = capsys.readouterr().out
+    rows = [
+        r
+        for r in out.splitlines()
+        if r.startswith("| decode attention") or r.startswith("| torch.sum")
+    ]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)
+    assert "of the plain read's rate" in out
+
+
 # ---------------------------------------------------------------- lm-eval task
 
 
