@@ -67,3 +67,27 @@ def test_a_forbidden_import_is_seen(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("def f():\n    import torch.nn\n    from subway.worker import runner\n")
     assert {"torch.nn", "subway.worker", "subway.worker.runner"} <= _imports(p)
+
+
+def test_every_non_python_file_a_package_reads_ships_with_it():
+    """A wheel carries a package's other files only where package-data names them: the
+    kernels' sources and headers, the AMX probe, the lm-eval task files."""
+    import fnmatch
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs, data = config["package-dir"], config["package-data"]
+    missing = []
+    for folder in set(dirs.values()):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if not path.is_file() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:
+                continue
+            # The file belongs to the deepest package whose folder holds it.
+            package, home = max(
+                ((p, f) for p, f in dirs.items() if path.is_relative_to(ROOT / f)),
+                key=lambda pf: len(pf[1]),
+            )
+            rel = path.relative_to(ROOT / home).as_posix()
+            if not any(fnmatch.fnmatch(rel, pattern) for pattern in data.get(package, [])):
+                missing.append(path.relative_to(ROOT).as_posix())
+    assert not missing, sorted(set(missing))
