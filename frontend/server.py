@@ -55,9 +55,34 @@ log = logging.getLogger("subway.frontend")
 
 
 def load_tokenizer(config: EngineConfig):
-    from transformers import AutoTokenizer
+    """The tokenizer AutoTokenizer would pick, without AutoTokenizer where the folder names
+    its class: AutoTokenizer reads the model's config through code that imports torch,
+    3-5 s of every frontend's start on a 2-core machine (and a frontend has no use for
+    torch). Like AutoTokenizer, a named class's fast variant is preferred. A folder whose
+    tokenizer_config.json names no class transformers has (remote code, a missing file)
+    goes to AutoTokenizer itself."""
+    import transformers
 
-    return AutoTokenizer.from_pretrained(config.model.tokenizer or config.model.path)
+    path = config.model.tokenizer or config.model.path
+    named = _named_tokenizer_class(path)
+    for name in ([named] if named.endswith("Fast") else [named + "Fast", named]) if named else []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return cls.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _named_tokenizer_class(path: str) -> str:
+    """tokenizer_config.json's `tokenizer_class` in a local folder ("" where there is none)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return named if isinstance(named, str) and named.isidentifier() else ""
 
 
 def build_app(

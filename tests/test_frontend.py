@@ -966,3 +966,43 @@ def test_client_priority_is_kept_when_allowed():
     assert kept is req and dropped == []
     gone, dropped = client_scheduling(req, EngineConfig.build())
     assert (gone.priority, gone.slo_ttft_ms) == (0, None) and dropped == ["priority", "slo_ttft_ms"]
+
+
+def test_the_frontend_loads_autotokenizers_choice_without_torch(default_model, tmp_path):
+    """`load_tokenizer` returns what AutoTokenizer returns (class, ids, chat template), and in
+    a fresh process it loads without importing torch; a folder naming no class transformers
+    has goes to AutoTokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from subway.frontend.server import load_tokenizer
+    from subway.ipc.config import EngineConfig
+
+    ours = load_tokenizer(EngineConfig.build(path=default_model))
+    auto = AutoTokenizer.from_pretrained(default_model)
+    assert type(ours) is type(auto)
+    for text in ("Hello, world!", "  spaces\tand\nlines  ", "日本語 émoji 🚇", ""):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert ours.all_special_ids == auto.all_special_ids and len(ours) == len(auto)
+
+    code = (
+        "import sys; from subway.frontend.server import load_tokenizer; "
+        "from subway.ipc.config import EngineConfig; "
+        f"load_tokenizer(EngineConfig.build(path={default_model!r})); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    odd = tmp_path / "odd"
+    shutil.copytree(default_model, odd, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    cfg = json.loads((odd / "tokenizer_config.json").read_text())
+    (odd / "tokenizer_config.json").write_text(
+        json.dumps(cfg | {"tokenizer_class": "NoSuchTokenizer"})
+    )
+    fallback = load_tokenizer(EngineConfig.build(path=str(odd)))
+    assert fallback("Hello")["input_ids"] == auto("Hello")["input_ids"]

@@ -36,6 +36,14 @@ def server(tiny_models):
 def test_three_processes_serve(server):
     kinds = sorted(parse(c.cmdline())["kind"] for c in server.children())
     assert kinds == ["frontend", "scheduler", "worker"]
+    # Only the worker loads torch (a start-up check or a tokenizer load could pull it in
+    # anywhere, several seconds of each process's start).
+    with_torch = sorted(
+        parse(c.cmdline())["kind"]
+        for c in server.children()
+        if any("libtorch_cpu" in m.path for m in c.memory_maps())
+    )
+    assert with_torch == ["worker"]
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
 

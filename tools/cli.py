@@ -118,7 +118,11 @@ def check_policy(config: EngineConfig) -> None:
 
 
 def check_quantization(config: EngineConfig) -> None:
-    """`--quantization` and `--kv-cache-dtype`, checked before anything starts."""
+    """`--quantization` and `--kv-cache-dtype`, checked before anything starts: by `serve`
+    and by each worker, the processes that import torch anyway (the check needs it). Without
+    either flag there is nothing to check, and torch is not imported for it."""
+    if config.model.quantization == "none" and config.cache.kv_cache_dtype == "auto":
+        return
     from subway.worker.quant import unsupported_reason
 
     reason = unsupported_reason(config)
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         config = one_engine(config)
     check_speculative(config)
     check_policy(config)
-    check_quantization(config)
+    if args.command in ("serve", "worker"):
+        check_quantization(config)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent
 
