@@ -398,6 +398,14 @@ def test_attention_against_a_plain_read_prints_both_rates(capsys) -> None:
     assert "of the plain read's rate" in out
 
 
+@pytest.mark.slow
+def test_bench_startup_times_a_start_and_sees_torch_in_the_worker_alone(tiny_models) -> None:
+    from subway.tools.bench.bench_startup import one_start
+
+    ready, with_torch = one_start(tiny_models["llama"], [], timeout=300)
+    assert ready > 0 and len(with_torch) == 1 and with_torch[0].startswith("subway worker")
+
+
 # ---------------------------------------------------------------- lm-eval task
 
 
