@@ -283,6 +283,11 @@ class EngineConfig:
         return ",".join(ipc.kv_rank_addr(r, stride) for r in range(world))
 
     @property
+    def quantized(self) -> bool:
+        """Whether `--quantization` or `--kv-cache-dtype` asks for anything."""
+        return self.model.quantization != "none" or self.cache.kv_cache_dtype != "auto"
+
+    @property
     def client_address(self) -> str | None:
         """The frontend's native ZMQ endpoint, None when it is "off"."""
         addr = self.server.client_addr

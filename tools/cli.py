@@ -121,7 +121,7 @@ def check_quantization(config: EngineConfig) -> None:
     """`--quantization` and `--kv-cache-dtype`, checked before anything starts: by `serve`
     and by each worker, the processes that import torch anyway (the check needs it). Without
     either flag there is nothing to check, and torch is not imported for it."""
-    if config.model.quantization == "none" and config.cache.kv_cache_dtype == "auto":
+    if not config.quantized:
         return
     from subway.worker.quant import unsupported_reason
 

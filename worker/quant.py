@@ -37,7 +37,7 @@ def cpu_has_vnni() -> bool:
 def unsupported_reason(config: EngineConfig, device: torch.device | None = None) -> str | None:
     """Why `--quantization` / `--kv-cache-dtype` cannot run with this config, or None."""
     quant, kv = config.model.quantization, config.cache.kv_cache_dtype
-    if quant == "none" and kv == "auto":
+    if not config.quantized:
         return None
     if device is None:
         want = config.model.device
