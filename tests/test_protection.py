@@ -20,7 +20,7 @@ from serving import Server
 MODEL = "tiny"
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CONTEXT = 1024
+CONTEXT = 2048  # the tiny models' max_position_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,9 @@ def test_body_and_header_limits(http):
 
 def test_full_queue_is_429_with_retry_after(server, http):
     """--max-num-seqs 2 --max-waiting 2: two run, two wait, the fifth is refused."""
-    body = {"model": MODEL, "prompt": "go " * 8, "max_tokens": 900, "ignore_eos": True,
+    # As long as the context allows: the first two must still run when the poll below looks
+    # (a full run once saw them finish first, the tiny model being fast).
+    body = {"model": MODEL, "prompt": "go " * 8, "max_tokens": CONTEXT - 64, "ignore_eos": True,
             "stream": True}  # fmt: skip
     stop = threading.Event()
     started = []
@@ -186,7 +188,8 @@ def test_full_queue_is_429_with_retry_after(server, http):
             m = metrics(http)
             if m["subway:num_requests_running"] == 2 and m["subway:num_requests_waiting"] == 2:
                 break
-            assert time.monotonic() < deadline, m
+            seen = (m["subway:num_requests_running"], m["subway:num_requests_waiting"])
+            assert time.monotonic() < deadline, f"running, waiting: {seen}"
             time.sleep(0.05)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 429 and is_error(r)
