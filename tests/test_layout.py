@@ -50,7 +50,7 @@ def test_imports_respect_the_process_boundaries(folder):
 
 def test_product_modules_stay_short():
     long = []
-    for folder in ("scheduler", "ipc", "frontend", "client", "worker", "kernels", "tools",
+    for folder in ("scheduler", "ipc", "frontend", "client", "worker", "subway_kernels", "tools",
                    "subway_pkg"):  # fmt: skip
         for path in _modules(folder):
             rel = path.relative_to(ROOT).as_posix()
@@ -91,3 +91,18 @@ def test_every_non_python_file_a_package_reads_ships_with_it():
             if not any(fnmatch.fnmatch(rel, pattern) for pattern in data.get(package, [])):
                 missing.append(path.relative_to(ROOT).as_posix())
     assert not missing, sorted(set(missing))
+
+
+def test_no_folder_shadows_an_installed_package():
+    """Python run from the checkout (`python -m ...`, `python -c`) puts the checkout first on
+    sys.path, so a folder named like an installed package hides it: a folder `kernels/` made
+    transformers 5.25 import ours instead of Hugging Face's `kernels`, and fail."""
+    import importlib.metadata
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {f.split("/")[0] for f in config["package-dir"].values()} | {"tests"}
+    installed = importlib.metadata.packages_distributions()
+    shadowed = {f: installed[f] for f in folders if f in installed}
+    assert not shadowed, shadowed
+    assert "kernels" in installed or "numpy" in installed  # the lookup sees installed packages

@@ -22,7 +22,8 @@ if ! "$py" -c "import subway.kernels.dispatch" 2>/dev/null; then
   trap 'rm -rf "$site"' EXIT
   mkdir "$site/subway"
   cp subway_pkg/__init__.py "$site/subway/__init__.py"
-  for d in frontend scheduler worker kernels ipc tools; do ln -s "$repo/$d" "$site/subway/$d"; done
+  for d in frontend scheduler worker ipc tools; do ln -s "$repo/$d" "$site/subway/$d"; done
+  ln -s "$repo/subway_kernels" "$site/subway/kernels"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 missing="$("$py" - <<'PY'

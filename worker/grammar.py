@@ -74,7 +74,7 @@ class TokenMask:
 
     bitmask: torch.Tensor  # int32 [>= max(rows) + 1, ceil(vocab / 32)]
     rows: list[int]
-    ext: object | None = None  # the CPU kernels (`kernels/csrc/mask_cpu.cpp`), or None
+    ext: object | None = None  # the CPU kernels (`subway_kernels/csrc/mask_cpu.cpp`), or None
 
     def apply(self, scores: torch.Tensor) -> None:
         """Disallowed tokens of `rows` to -inf, in place, in one call for the batch: our CPU

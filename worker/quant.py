@@ -4,7 +4,7 @@ Each linear weight is quantized once, after loading and sharding (so under tenso
 parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
 per row, `Kernels.quantize_rows`), the int8 matmul runs on AMX's int8 tiles where the
-CPU has them (kernels/csrc/amx_int8_cpu.cpp), else in oneDNN (VNNI,
+CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in oneDNN (VNNI,
 `onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled
 back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
 activation outliers into the weights first); embeddings, norms and attention stay in
@@ -82,7 +82,7 @@ class Int8Linear:
 
     `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
     (`quantize_rows`), the exact int8 sums, each output times its row's and its
-    channel's scale, plus the bias. Where the CPU has AMX (kernels/csrc/amx_int8_cpu.cpp)
+    channel's scale, plus the bias. Where the CPU has AMX (subway_kernels/csrc/amx_int8_cpu.cpp)
     the weight is held only as AMX tiles (`tiles`), and every call takes them, rounding
     once. Elsewhere (or with `amx=False`) oneDNN's int8 matmul takes its prepacked copy
     (`packed`) and folds the channel scales in; `rescale_rows_` then applies the row's.
@@ -117,7 +117,7 @@ class Int8Linear:
 
 
 def int8_ops() -> object:
-    """`torch.ops.subway_int8` (kernels/csrc/quant_cpu.cpp), compiled on first use."""
+    """`torch.ops.subway_int8` (subway_kernels/csrc/quant_cpu.cpp), compiled on first use."""
     from subway.kernels import cpu_ext
 
     if cpu_ext.load() is None:

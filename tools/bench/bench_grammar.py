@@ -11,7 +11,7 @@ p50, p99 and max of each, in milliseconds, per schema and over all.
 Then the worker's per-step cost of a mask: 16 and 64 rows of matchers of
 `bench_structured`'s schema, each a few tokens in, their bitmask filled in one
 call, and the mask applied to float32 logits by xgrammar's CPU kernel and by
-ours (`kernels/csrc/mask_cpu.cpp`): median milliseconds of each.
+ours (`subway_kernels/csrc/mask_cpu.cpp`): median milliseconds of each.
 
     python -m subway.tools.bench.bench_grammar [--rounds 5] [--repeats 5] [--model PATH]
 """

@@ -1,4 +1,4 @@
-"""Decode steps with the few-row bfloat16 linear (`kernels/csrc/gemv_cpu.cpp`; AMX from 5
+"""Decode steps with the few-row bfloat16 linear (`subway_kernels/csrc/gemv_cpu.cpp`; AMX from 5
 rows, `amx_linear_cpu.cpp`) against oneDNN's packed matmul, in one process, alternating rounds.
 
 The default model, bfloat16, 2 threads, offline (`subway.LLM`): for each batch size B, B

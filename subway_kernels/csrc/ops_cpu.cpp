@@ -126,7 +126,7 @@ static inline void rope_head(const T* xt, const T* cst, T* outt, int64_t D) {
 
 // One head vector into an 8-bit cache row: symmetric, scale = absmax / 127, q = round(x /
 // scale) (to nearest even) clamped to +-127, all zeros where the scale is 0; then the
-// float32 scale's 4 bytes. As kernels/attention.py quantize_kv, bit for bit.
+// float32 scale's 4 bytes. As subway_kernels/attention.py quantize_kv, bit for bit.
 template <typename T>
 static inline void quantize_head(const T* xt, int8_t* dst, int64_t D) {
   using R = Raw<T>;

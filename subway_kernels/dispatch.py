@@ -11,7 +11,7 @@ returns a frozen `Kernels`: the functions the model calls, already picked.
 - `kernels="torch"`: the references everywhere (a baseline on CUDA).
 
 With the references on the CPU and `cpu_ext` (the default), the compiled C++
-kernels (`cpu_ext`, `kernels/csrc/`) serve decode attention, RMSNorm, rotary
+kernels (`cpu_ext`, `subway_kernels/csrc/`) serve decode attention, RMSNorm, rotary
 embedding with the KV-cache write, and the bfloat16 linears of one-row steps, where
 they apply; where they cannot be built,
 the references serve. Both read and write an 8-bit KV cache (`--kv-cache-dtype int8`,
@@ -66,7 +66,7 @@ class Kernels:
     paged_attention: Callable  # (q, k_cache, v_cache, md, scale)
     silu_and_mul: Callable
     # A bfloat16 linear of a few rows (x, w, bias) -> y, faster than oneDNN's at decode
-    # batches (`kernels/csrc/gemv_cpu.cpp`, `amx_linear_cpu.cpp` from 5 rows where the CPU
+    # batches (`subway_kernels/csrc/gemv_cpu.cpp`, `amx_linear_cpu.cpp` from 5 rows where the CPU
     # has AMX), for the layers that take it; None: none here.
     small_linear: Callable | None = None
     # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
@@ -99,7 +99,7 @@ def _kernels(name: str, attn: ModuleType, ops: ModuleType) -> Kernels:
 
 
 def _cpu_kernels(ext) -> Kernels:
-    """The references, with the compiled CPU ops (`kernels/csrc/`) where they apply."""
+    """The references, with the compiled CPU ops (`subway_kernels/csrc/`) where they apply."""
     ref = _kernels("torch", _ref_attention, _ref_ops)
     ref_rms_norm, ref_rope_and_write_kv = ref.rms_norm, ref.rope_and_write_kv
     ext_rms_norm, ext_rope_write_kv = ext.rms_norm, ext.rope_write_kv

@@ -5,7 +5,7 @@
 // q            [n, num_heads, head_dim], float32, bfloat16 or float16
 // k_cache      [num_blocks, block_size, num_kv_heads, head_dim + 4] int8 (v_cache the same):
 //              per slot and head, head_dim quantized values, then their float32 scale
-//              (native byte order; kernels/attention.py quantize_kv writes the same)
+//              (native byte order; subway_kernels/attention.py quantize_kv writes the same)
 // block_tables [n, max_blocks] int32
 // context_lens [n] int32
 // returns      [n, num_heads, head_dim], q's dtype

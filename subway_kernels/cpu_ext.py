@@ -1,4 +1,4 @@
-"""The CPU kernels in `kernels/csrc/`, compiled on first use with torch's C++ extension builder.
+"""The CPU kernels in `subway_kernels/csrc/`, compiled on first use with torch's C++ extension builder.
 
 The build is cached (under ~/.cache/subway/ext, or $SUBWAY_CACHE/ext) and compiled
 for the machine it runs on. torch guards a build with a lock file that a
