@@ -47,6 +47,12 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
     if cuda:
         return "--quantization and --kv-cache-dtype are CPU-only so far (use --device cpu)"
     if quant == "int8":
+        # The flags' own conflicts first, then what this machine lacks: the same flags get
+        # the same answer on every CPU.
+        if not config.model.cpu_ext:
+            return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
+        if config.model.dtype in ("float16", "half"):
+            return "--quantization int8 runs in bfloat16 or float32 (not --dtype float16)"
         if not torch.backends.mkldnn.is_available() or not hasattr(
             torch.ops.onednn, "qlinear_pointwise"
         ):
@@ -56,10 +62,6 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
                 "--quantization int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI): without "
                 "it oneDNN's int8 matmul saturates its partial sums"
             )
-        if not config.model.cpu_ext:
-            return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
-        if config.model.dtype in ("float16", "half"):
-            return "--quantization int8 runs in bfloat16 or float32 (not --dtype float16)"
     if kv == "int8" and not config.model.cpu_ext:
         return "--kv-cache-dtype int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
     if kv == "int8" and config.model.kernels == "triton":
