@@ -25,8 +25,13 @@ static constexpr int64_t kStripe = 4;   // weight rows per inner pass
 // Each weight line is prefetched this many bytes ahead of its load: with the hardware's
 // streamer alone SmolLM2's 120 layer weights read at 11.4 GB/s (two threads, against 16.9
 // for a plain sum); 12 KB ahead gave 15.4 GB/s, 4 KB 14.2 and 32 KB 14.3 (an ad-hoc sweep,
-// docs/BENCHMARKS.md). A prefetch past the weight's end is only a hint: it cannot fault.
-static constexpr int64_t kPrefetchBytes = 12288;
+// docs/BENCHMARKS.md). On a 2-core AVX2 EPYC 12 KB also did best (24 KB and 32 KB level,
+// 48 KB worse): 1.23x at one row, 1.23x at four. A prefetch past the weight's end is only a
+// hint: it cannot fault. A sweep builds with -DSUBWAY_PREFETCH_BYTES=N.
+#ifndef SUBWAY_PREFETCH_BYTES
+#define SUBWAY_PREFETCH_BYTES 12288
+#endif
+static constexpr int64_t kPrefetchBytes = SUBWAY_PREFETCH_BYTES;
 
 static inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs here)
   uint32_t u;
@@ -83,10 +88,11 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 (no bfloat16 arithmetic, as on AMD before Zen 4): the rows of x widened to float32
-// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. At one
-// row it is level with oneDNN (both near the memory's ~10 GB/s on the AVX2 VM of
-// docs/BENCHMARKS.md); at 2 to 4 rows oneDNN's call takes 1.5-2x as long, since it widens
-// the whole weight for each. Same plan and rounding as the AVX512-BF16 path.
+// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. With
+// its prefetch it reads SmolLM2's weights at 21 GB/s at one row, against 24 for a plain sum
+// (2-core AVX2 EPYC; 17 GB/s without the prefetch); at 2 to 4 rows oneDNN's call takes
+// 1.5-2x as long, since it widens the whole weight for each. Same plan and rounding as the
+// AVX512-BF16 path.
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
 // Up to four rows: oneDNN widens bfloat16 on every call here, 1.5-2x slower at 2 to 4 rows.
@@ -99,31 +105,40 @@ static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& 
 }
 
 // widen_bf16_8 and hsum8 are vec_math.h's.
-// The AVX512-BF16 path's group_times_stripe on 8 float32 lanes (no software prefetch yet:
-// `fetch` is unused, as no machine here could measure one).
+// The AVX512-BF16 path's group_times_stripe on 8 float32 lanes: each 64-byte line of the
+// stripe's rows is prefetched kPrefetchBytes ahead when `fetch`, then taken as 4 chunks of 8.
+// The sums run chunk by chunk in order, as without the prefetch (the same bits).
+template <int G, int R>  // R: the stripe's rows, known (kStripe) or 0 (`rows`, the last one)
+static inline void stripe_sums(const float* x, const uint16_t* w, __m256 (&acc)[G][kStripe],
+                               int64_t K, int64_t n, int64_t rows_, bool fetch) {
+  const int64_t rows = R > 0 ? R : rows_;
+  for (int64_t c = 0; c < K; c += 32) {
+    if (fetch)
+      for (int j = 0; j < rows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + c) + kPrefetchBytes,
+                     _MM_HINT_T0);
+    for (int64_t q = c; q < c + 32; q += 8) {
+      __m256 xv[G];
+      for (int m = 0; m < G; ++m) xv[m] = _mm256_loadu_ps(x + m * K + q);
+      for (int j = 0; j < rows; ++j) {
+        const __m256 wv = widen_bf16_8(w + (n + j) * K + q);
+        for (int m = 0; m < G; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);
+      }
+    }
+  }
+}
+
 template <int G>
 static inline void group_times_stripe(const float* x, const uint16_t* w, const uint16_t* b,
                                       uint16_t* y, int64_t K, int64_t N, int64_t n, int64_t rows,
-                                      bool) {
-  const int64_t chunks = K / 8;
+                                      bool fetch) {
   __m256 acc[G][kStripe];
   for (int m = 0; m < G; ++m)
     for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm256_setzero_ps();
-  if (rows == kStripe) {
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int j = 0; j < kStripe; ++j) {
-        const __m256 wv = widen_bf16_8(w + (n + j) * K + c * 8);
-        for (int m = 0; m < G; ++m)
-          acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
-      }
-  } else {
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int j = 0; j < rows; ++j) {
-        const __m256 wv = widen_bf16_8(w + (n + j) * K + c * 8);
-        for (int m = 0; m < G; ++m)
-          acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c * 8), wv, acc[m][j]);
-      }
-  }
+  if (rows == kStripe)
+    stripe_sums<G, kStripe>(x, w, acc, K, n, rows, fetch);
+  else
+    stripe_sums<G, 0>(x, w, acc, K, n, rows, fetch);
   for (int m = 0; m < G; ++m)
     for (int j = 0; j < rows; ++j) {
       float s = hsum8(acc[m][j]);
