@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import torch
 
 from subway.tools.bench import vs_vllm
 from subway.tools.bench.workload import Request
@@ -147,3 +148,18 @@ def test_interleave_runs_each_setting_on_both_servers_abba(monkeypatch) -> None:
     assert [r["c64"]["n"] for r in runs["subway"]] == [1, 6]
     assert [r["c1"]["n"] for r in runs["vllm"]] == [4, 7]
     assert all(r["greedy_text"] == "V" for r in runs["vllm"]) and len(runs["subway"]) == 2
+
+
+def test_read_floor_reads_as_many_bytes_as_the_model_has(tiny_models) -> None:
+    """The weight-read floor counts every stored tensor once and reads that many bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from subway.tools.bench import read_floor
+
+    path = tiny_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    stored = {p.data_ptr(): p.numel() for p in model.state_dict().values()}  # tied: once
+    assert read_floor.weight_elements(path) == sum(stored.values())
+    out = read_floor.measure(1 << 20, torch.bfloat16, threads=1, rounds=3)
+    assert out["bytes"] == 2 << 20 and out["ms"] > 0
+    assert out["gbps"] == pytest.approx(out["bytes"] / out["ms"] / 1e6)

@@ -26,6 +26,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -256,6 +257,13 @@ def median_of(runs: list[dict[str, Any]], setting: str, key: str, stat: str = ""
     return statistics.median(vals)
 
 
+def read_floor(model: str, threads: int) -> dict[str, float]:
+    """`read_floor`'s figure (one plain read of the model's weights), in its own process."""
+    cmd = [sys.executable, "-m", "subway.tools.bench.read_floor", "--model", model]
+    res = subprocess.run([*cmd, "--threads", str(threads)], check=True, capture_output=True)
+    return json.loads(res.stdout.decode().strip().splitlines()[-1])
+
+
 def ratios(runs: dict[str, list[dict[str, Any]]], names: list[str]) -> dict[str, float]:
     """Subway/vLLM output throughput per setting; vLLM/Subway ITL p50 (x lower) for c1."""
     out: dict[str, float] = {}
@@ -344,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
     idle = None
+    floors = [read_floor(model, a.threads)]
     if a.interleave:
         with contextlib.ExitStack() as stack:
             urls = {s: stack.enter_context(server(s)) for s in SYSTEMS if s in systems}
@@ -355,8 +364,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"== {system}", flush=True)
             with server(system) as url:
                 runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
+    floors.append(read_floor(model, a.threads))
     out: dict[str, Any] = {
         "workload": workload.summary(reqs),
+        "read_floor": floors,
         "threads": a.threads,
         "interleave": a.interleave,
         "idle_servers_cores": idle,
@@ -367,6 +378,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     done = [s for s in SYSTEMS if runs[s]]
     print(table(runs, names))
+    floor_ms = statistics.median(f["ms"] for f in floors)
+    each = " / ".join(f"{ms:.2f}" for ms in (f["ms"] for f in floors))
+    print(f"weight-read floor (read_floor, before / after the servers): {each} ms")
+    if "c1" in names and runs["subway"]:
+        itl = median_of(runs["subway"], "c1", "itl_ms", "p50")
+        out["subway_c1_itl_over_floor"] = itl / floor_ms
+        print(f"Subway's single-stream ITL p50 over the floor: {itl / floor_ms:.2f}x")
     if len(done) == 2:
         out["ratios"] = ratios(runs, names)
         out["token_counts_agree"] = token_agreement(runs, names)
