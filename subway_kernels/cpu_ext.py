@@ -22,7 +22,7 @@ log = logging.getLogger("subway.kernels")
 SOURCES = (
     "paged_decode_cpu.cpp", "ops_cpu.cpp", "mask_cpu.cpp", "gemv_cpu.cpp", "argmax_cpu.cpp",
     "paged_decode_int8_cpu.cpp",
-    "quant_cpu.cpp", "amx_linear_cpu.cpp", "amx_int8_cpu.cpp",
+    "quant_cpu.cpp", "amx_linear_cpu.cpp", "amx_int8_cpu.cpp", "decode_layers_cpu.cpp",
 )  # fmt: skip
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -198,9 +198,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states `[len(sample_idx), hidden]` at the sampling positions."""
         h = F.embedding(input_ids, self.embed_tokens)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
+        fused = self.fused_decode
+        if fused is not None and md.all_decode and h.shape[0] <= self.kernels.small_linear_rows:
+            h, residual = fused(h, positions, self.rope_cache, md, kv_caches)
+        else:
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
         h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
         h, _ = self.norm(h, residual)
         return h
@@ -217,6 +221,7 @@ class CausalLM(nn.Module):
     lm_head_wide: bool = False  # lm_head_packed is the float32 copy of a bfloat16 lm_head
     lm_head_small: Callable | None = None  # the few-row linear, for a decode step's logits
     lm_head_int8: Int8Linear | None = None
+    fused_decode: FusedDecode | None = None  # set by pack_weights where it applies
 
     def quantize_int8(self, ops: object, lm_head: torch.Tensor | None = None) -> None:
         """`--quantization int8` (worker/quant.py), after loading (and smoothing,
@@ -261,6 +266,7 @@ class CausalLM(nn.Module):
                     m.unpack()
             self.lm_head_wide = False
             return False
+        self.fused_decode = FusedDecode.build(self)
         return True
 
     def one_row_weights(self) -> list[nn.Parameter]:
@@ -334,3 +340,57 @@ class CausalLM(nn.Module):
 _LAYER = re.compile(
     r"model\.layers\.(?P<i>\d+)\.(?P<module>[a-z_]+)(?:\.(?P<part>[a-z_]+))?\.(?P<kind>weight|bias)"
 )
+
+
+class FusedDecode:
+    """Every layer of a decode step of up to `small_linear_rows` rows in one compiled call
+    (`Kernels.decode_layers`, subway_kernels/csrc/decode_layers_cpu.cpp): the same kernels,
+    in the same order, as `DecoderLayer.forward`, so the same bits, without a few
+    milliseconds of Python a step (docs/BENCHMARKS.md). It applies where every layer's
+    linears take the few-row kernel, on one rank (no all-reduce between the kernels),
+    without Qwen3's q/k norms. The weights are held as Parameters, so a later move into
+    huge pages (`rehome`, which swaps `.data`) is seen."""
+
+    def __init__(self, model: CausalLM, call: Callable) -> None:
+        arch, none = model.arch, model.embed_tokens.new_empty(0)
+        self.call = call
+        self.weights: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
+            self.weights += [layer.input_layernorm.weight, attn.qkv.weight, attn.o_proj.weight]
+            self.weights += [layer.post_attention_layernorm.weight]
+            self.weights += [mlp.gate_up.weight, mlp.down_proj.weight]
+            self.biases += [none if m.bias is None else m.bias for m in linears]
+        attn = model.layers[0].self_attn
+        self.shape = (attn.qkv.num_heads, attn.qkv.num_kv_heads, arch.head_dim)
+        self.eps, self.scale = arch.rms_norm_eps, attn.scale
+
+    @classmethod
+    def build(cls, model: CausalLM) -> FusedDecode | None:
+        call = model.kernels.decode_layers
+        layers = list(model.layers)
+        if call is None or not layers or model.arch.qk_norm:
+            return None
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if any(m.small is None for m in linears):
+            return None
+        if layers[0].self_attn.o_proj.tp.world_size != 1:
+            return None
+        return cls(model, call)
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        md: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.call(
+            h, positions, rope_cache, md.slot_mapping, md.block_tables, md.context_lens,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], self.weights, self.biases,
+            *self.shape, self.eps, self.scale,
+        )  # fmt: skip
+        return h, residual

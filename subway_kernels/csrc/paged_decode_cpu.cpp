@@ -474,7 +474,21 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 bool small_linear_supported();
 int64_t small_linear_rows();
 
+// decode_layers_cpu.cpp
+std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor positions,
+                                         torch::Tensor cos_sin, torch::Tensor slots,
+                                         torch::Tensor block_tables, torch::Tensor context_lens,
+                                         std::vector<torch::Tensor> k_caches,
+                                         std::vector<torch::Tensor> v_caches,
+                                         std::vector<torch::Tensor> weights,
+                                         std::vector<torch::Tensor> biases, int64_t num_heads,
+                                         int64_t num_kv_heads, int64_t head_dim, double eps,
+                                         double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers", &decode_layers,
+        "Every decoder layer of a few-row decode step in one call, the same kernels as the "
+        "model's Python loop (CPU)");
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("generic") = false);

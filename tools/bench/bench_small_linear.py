@@ -1,9 +1,11 @@
 """Decode steps with the few-row bfloat16 linear (`subway_kernels/csrc/gemv_cpu.cpp`; AMX from 5
-rows, `amx_linear_cpu.cpp`) against oneDNN's packed matmul, in one process, alternating rounds.
+rows, `amx_linear_cpu.cpp`) against oneDNN's packed matmul, and with every layer in one
+compiled call (`fused`: worker/model.py FusedDecode), in one process, alternating rounds.
 
 The default model, bfloat16, 2 threads, offline (`subway.LLM`): for each batch size B, B
 requests of 101 prompt tokens decode 60 tokens each per round; the median step of the
-last 50 is the figure. Batches past `small_linear_rows` are oneDNN's in both columns.
+last 50 is the figure. Batches past `small_linear_rows` are oneDNN's in every column.
+`small_linear` runs the layers' Python loop, `fused` the same kernels from one call.
 
     python -m subway.tools.bench.bench_small_linear [--rounds 3] [--batches 1,8,16,32]
 """
@@ -30,9 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(dtype="bfloat16", max_num_seqs=64)
     runner = llm.runner
     layers = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    kernel = layers[0].small
+    kernel, fused = layers[0].small, runner.model.fused_decode
     if kernel is None:
-        raise SystemExit("no small_linear here (no AVX512-BF16, or the CPU kernels are off)")
+        raise SystemExit(
+            "no small_linear here (no AVX512-BF16 or AVX2, or the CPU kernels are off)"
+        )
     execute = runner.execute
     times: list[float] = []
 
@@ -46,11 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     for b in (int(x) for x in a.batches.split(",")):
         res: dict[str, list[float]] = {"oneDNN": [], "small_linear": []}
+        if fused is not None:
+            res["fused"] = []
         for rnd in range(a.rounds):
             for name, per_round in res.items():
                 for m in layers:
-                    m.small = kernel if name == "small_linear" else None
-                runner.model.lm_head_small = kernel if name == "small_linear" else None
+                    m.small = None if name == "oneDNN" else kernel
+                runner.model.lm_head_small = None if name == "oneDNN" else kernel
+                runner.model.fused_decode = fused if name == "fused" else None
                 times.clear()
                 llm.generate([[1, 2, 3, 4, 5] * 20 + [rnd, i] for i in range(b)], params)
                 per_round.append(statistics.median(times[-50:]) * 1e3)
@@ -59,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{', '.join(f'{x:.2f}' for x in v)}")  # fmt: skip
         ratio = statistics.mean(res["oneDNN"]) / statistics.mean(res["small_linear"])
         print(f"small_linear: {ratio:.3f}x faster per step at batch {b}", flush=True)
+        if "fused" in res:
+            ratio = statistics.mean(res["small_linear"]) / statistics.mean(res["fused"])
+            print(f"fused: {ratio:.3f}x faster per step than small_linear's Python loop at "
+                  f"batch {b}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
