@@ -383,6 +383,24 @@ def test_bench_amx_prints_each_instruction(capsys) -> None:
         assert all(float(rows[n]) > 0 for n in names)
 
 
+@pytest.mark.slow
+def test_bench_gemv_prefetch_builds_each_distance_and_times_it(capsys) -> None:
+    """Two builds (none, 4 KB ahead), one round at one row: a line per build and the sum."""
+    from subway.kernels import cpu_ext
+    from subway.tools.bench import bench_gemv_prefetch
+
+    if not cpu_ext.load().small_linear_supported():
+        pytest.skip("the few-row kernel needs AVX512-BF16 or AVX2")
+    bench_gemv_prefetch.main(["--distances", "0,4096", "--rows", "1", "--rounds", "1"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("rows 1:")]
+    assert [r.split(":")[1].strip() for r in rows] == [
+        "prefetch 0 B",
+        "prefetch 4096 B",
+        "plain sum",
+    ]
+    assert all(float(r.split()[-2]) > 0 for r in rows)  # GB/s
+
+
 def test_attention_against_a_plain_read_prints_both_rates(capsys) -> None:
     from subway.kernels import cpu_ext
     from subway.tools.bench.bench_decode_kernel import against_a_plain_read

@@ -27,7 +27,7 @@ static constexpr int64_t kStripe = 4;   // weight rows per inner pass
 // for a plain sum); 12 KB ahead gave 15.4 GB/s, 4 KB 14.2 and 32 KB 14.3 (an ad-hoc sweep,
 // docs/BENCHMARKS.md). On a 2-core AVX2 EPYC 12 KB also did best (24 KB and 32 KB level,
 // 48 KB worse): 1.23x at one row, 1.23x at four. A prefetch past the weight's end is only a
-// hint: it cannot fault. A sweep builds with -DSUBWAY_PREFETCH_BYTES=N.
+// hint: it cannot fault. `bench_gemv_prefetch` sweeps it (-DSUBWAY_PREFETCH_BYTES=N; 0: none).
 #ifndef SUBWAY_PREFETCH_BYTES
 #define SUBWAY_PREFETCH_BYTES 12288
 #endif
@@ -73,7 +73,8 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
       xv[m] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * K + c * 32));
     for (int j = 0; j < rows; ++j) {
       const uint16_t* line = w + (n + j) * K + c * 32;
-      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+      if (kPrefetchBytes > 0 && fetch)
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(line));
       for (int m = 0; m < G; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
     }
@@ -113,7 +114,7 @@ static inline void stripe_sums(const float* x, const uint16_t* w, __m256 (&acc)[
                                int64_t K, int64_t n, int64_t rows_, bool fetch) {
   const int64_t rows = R > 0 ? R : rows_;
   for (int64_t c = 0; c < K; c += 32) {
-    if (fetch)
+    if (kPrefetchBytes > 0 && fetch)
       for (int j = 0; j < rows; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + c) + kPrefetchBytes,
                      _MM_HINT_T0);
