@@ -98,8 +98,8 @@ for dtype in TOL:
                 out = ext.paged_decode(q, kc, vc, torch.from_numpy(tables),
                                        torch.from_numpy(ctx.astype(np.int32)), hd**-0.5, False)
                 torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-assert ext.small_linear_rows() == 4  # no AMX without AVX-512
-for rows in (1, 2, 3, 4):
+assert ext.small_linear_rows() == 16  # no AMX without AVX-512; the stripe kernel to 16 rows
+for rows in (1, 2, 3, 4, 8, 16):
     for n, k in [(960, 576), (130, 64), (7, 32)]:
         gen = torch.Generator().manual_seed(rows)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -108,8 +108,8 @@ for rows in (1, 2, 3, 4):
         ref = (x.double() @ w.double().T + b.double()).float()
         torch.testing.assert_close(ext.small_linear(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
 try:
-    ext.small_linear(torch.zeros(5, 64, dtype=torch.bfloat16), torch.zeros(8, 64).bfloat16())
-    raise SystemExit("five rows should be refused")
+    ext.small_linear(torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(8, 64).bfloat16())
+    raise SystemExit("17 rows should be refused")
 except RuntimeError:
     pass
 print("avx2 ok")

@@ -62,7 +62,7 @@ def linear(
     wide: bool = False,
 ) -> torch.Tensor:
     """`x [rows, in]` times the weight. Up to `small_rows` rows go to `small` when the layer
-    has it (bfloat16 decode: up to 4 rows, or 32 where the CPU has AMX: `Kernels.small_linear`). `wide`:
+    has it (bfloat16 decode: up to 4 rows, 16 on AVX2, or 32 where the CPU has AMX: `Kernels.small_linear`). `wide`:
     `packed` holds the float32 copy of a bfloat16 weight (`widen_bf16`). A packed weight's
     matmul keeps a compiled kernel per row count, never freed (about 0.6 MB for each;
     measured in docs/RELIABILITY.md), so row counts above `EXACT_ROWS` are padded to a

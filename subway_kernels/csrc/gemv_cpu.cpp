@@ -20,7 +20,6 @@
 
 #include "vec_math.h"
 
-static constexpr int64_t kMaxRows = 4;  // rows of x per call, at most, without AMX
 static constexpr int64_t kStripe = 4;   // weight rows per inner pass
 // Each weight line is prefetched this many bytes ahead of its load: with the hardware's
 // streamer alone SmolLM2's 120 layer weights read at 11.4 GB/s (two threads, against 16.9
@@ -96,8 +95,12 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 // AVX512-BF16 path.
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
-// Up to four rows: oneDNN widens bfloat16 on every call here, 1.5-2x slower at 2 to 4 rows.
-static constexpr int64_t kRowsUsed = 4;
+// Up to 16 rows: oneDNN widens bfloat16 on every call here, and its float32 matmul on the
+// packed float32 copy (`--bf16-matmul auto`) reads twice the bytes. Over SmolLM2's 120
+// layer weights (an ad-hoc loop, 2-core AVX2 EPYC) this kernel was 2.1x faster than that at
+// 4 rows, 1.34x at 8, 1.13x at 12, 1.07x at 16, and slower from 24 (0.83x): it widens each
+// weight chunk again for every group of four rows, while oneDNN's cost grows more slowly.
+static constexpr int64_t kRowsUsed = 16;
 using XRow = float;  // the rows of x widened once per call
 static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& buf) {
   buf.resize(n);
@@ -169,7 +172,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(),
               "contiguous x [rows, in] and w [out, in]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t max_rows = std::max(kMaxRows, amx_linear_max_rows());
+  const int64_t max_rows = small_linear_rows();
   TORCH_CHECK(w.size(1) == K && K % 32 == 0 && M >= 1 && M <= max_rows,
               "in a multiple of 32, 1 to ", max_rows, " rows");
   const uint16_t* bp = nullptr;

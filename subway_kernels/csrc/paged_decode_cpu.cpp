@@ -511,7 +511,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
-  m.def("small_linear", &small_linear, "bfloat16 linear of 1 to 4 rows, AVX512-BF16 or AVX2 (CPU)",
+  m.def("small_linear", &small_linear, "bfloat16 linear of a few rows (small_linear_rows), AVX512-BF16 or AVX2 (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("silu_and_mul", &silu_and_mul,
         "silu(gate) * up of bfloat16 rows, rounded as the reference rounds (CPU)");
