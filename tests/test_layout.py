@@ -101,7 +101,7 @@ def test_no_folder_shadows_an_installed_package():
     import tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {f.split("/")[0] for f in config["package-dir"].values()} | {"tests"}
+    folders = {f.split("/")[0] for f in config["package-dir"].values()}
     installed = importlib.metadata.packages_distributions()
     shadowed = {f: installed[f] for f in folders if f in installed}
     assert not shadowed, shadowed
