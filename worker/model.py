@@ -366,6 +366,10 @@ class FusedDecode:
         attn = model.layers[0].self_attn
         self.shape = (attn.qkv.num_heads, attn.qkv.num_kv_heads, arch.head_dim)
         self.eps, self.scale = arch.rms_norm_eps, attn.scale
+        # The runner's caches are allocated once: their K and V lists are made on first use.
+        self._caches: list[KVCache] | None = None
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
 
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecode | None:
@@ -388,9 +392,11 @@ class FusedDecode:
         md: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_caches is not self._caches:
+            self._caches = kv_caches
+            self._k, self._v = [k for k, _ in kv_caches], [v for _, v in kv_caches]
         h, residual = self.call(
             h, positions, rope_cache, md.slot_mapping, md.block_tables, md.context_lens,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], self.weights, self.biases,
-            *self.shape, self.eps, self.scale,
+            self._k, self._v, self.weights, self.biases, *self.shape, self.eps, self.scale,
         )  # fmt: skip
         return h, residual

@@ -24,8 +24,8 @@ static constexpr int64_t kStripe = 4;   // weight rows per inner pass
 // Each weight line is prefetched this many bytes ahead of its load: with the hardware's
 // streamer alone SmolLM2's 120 layer weights read at 11.4 GB/s (two threads, against 16.9
 // for a plain sum); 12 KB ahead gave 15.4 GB/s, 4 KB 14.2 and 32 KB 14.3 (an ad-hoc sweep,
-// docs/BENCHMARKS.md). On a 2-core AVX2 EPYC 12 KB also did best (24 KB and 32 KB level,
-// 48 KB worse): 1.23x at one row, 1.23x at four. A prefetch past the weight's end is only a
+// docs/BENCHMARKS.md). On a 2-core AVX2 EPYC 12 KB also did best (`bench_gemv_prefetch`:
+// 1.29x faster than none at one row, 1.34x at four; 4 KB to 32 KB all within 10% of it). A prefetch past the weight's end is only a
 // hint: it cannot fault. `bench_gemv_prefetch` sweeps it (-DSUBWAY_PREFETCH_BYTES=N; 0: none).
 #ifndef SUBWAY_PREFETCH_BYTES
 #define SUBWAY_PREFETCH_BYTES 12288

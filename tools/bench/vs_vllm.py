@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     done = [s for s in SYSTEMS if runs[s]]
     print(table(runs, names))
     floor_ms = statistics.median(f["ms"] for f in floors)
-    each = " / ".join(f"{ms:.2f}" for ms in (f["ms"] for f in floors))
+    each = " / ".join(f"{f['ms']:.2f}" for f in floors)
     print(f"weight-read floor (read_floor, before / after the servers): {each} ms")
     if "c1" in names and runs["subway"]:
         itl = median_of(runs["subway"], "c1", "itl_ms", "p50")
