@@ -13,9 +13,12 @@ from subway.worker import quant
 from subway.worker.quant import Int8Linear, int8_ops, quantize_weight, unsupported_reason
 
 DTYPES = (torch.float32, torch.bfloat16)
-# int8 weights run only where the CPU has VNNI (they are refused elsewhere, and that
-# refusal is tested everywhere: test_int8_weights_are_refused_without_vnni).
-needs_vnni = pytest.mark.skipif(not quant.cpu_has_vnni(), reason="no VNNI: int8 weights refused")
+# int8 weights run where the CPU has VNNI or AVX2 (they are refused elsewhere, and that
+# refusal is tested everywhere: test_int8_weights_are_refused_without_vnni_or_avx2).
+needs_int8 = pytest.mark.skipif(
+    unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is not None,
+    reason="int8 weights refused on this CPU",
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def test_quantize_rows_matches_the_reference(ops, dtype, shape):
     assert s[0] == 0 and not q[0].any()
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "rows,k,n",
@@ -75,47 +78,122 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
     assert ((y.double() - ref).norm() / ref.norm()).item() < 2.5e-2
 
 
-@needs_vnni
+def _paths(ops) -> list[str]:
+    """The int8 matmuls that can run here (oneDNN's only with VNNI: it saturates without)."""
+    return [p for p in ("amx", "avx2") if _can(ops, p)] + (
+        ["onednn"] if quant.cpu_has_vnni() else []
+    )
+
+
+def _can(ops, path: str) -> bool:
+    try:
+        return quant.choose_path(ops, 576, path) == path
+    except ValueError:
+        return False
+
+
+def _once_rounded(qx, sx, qw, sw, b, dtype) -> torch.Tensor:
+    """What the AMX and AVX2 kernels compute: float32(sum) * w_scale, rounded, then times the
+    row's scale plus the bias, rounded once (a fused multiply-add), then to `dtype`. The
+    product of two float32 values is exact in float64, so float64 then float32 rounds as
+    the fma does (barring a double-rounding tie, about 1 in 2^29 outputs)."""
+    sums = (qx.long() @ qw.long().T).float()
+    t = (sums * sw[None, :]).double()
+    bias = 0.0 if b is None else b.float().double()[None, :]
+    return (t * sx.double()[:, None] + bias).float().to(dtype)
+
+
+@needs_int8
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_on_amx_agrees_with_onednn(ops, dtype):
-    """Where the CPU has AMX every call goes to amx_int8_matmul, from the weight packed as
-    AMX tiles (and oneDNN's copy is not made); the same sums as oneDNN's, so the two paths
-    differ only in rounding (one bfloat16 rounding against two: 1.6e-2 of the largest
-    output, 1e-5 in float32). Rows 1, 15 (a partial tile), 64, 200 and 300 (partial
-    again), N = 600 (not whole strips of 32 outputs)."""
+def test_int8_paths_agree(ops, dtype):
+    """Every int8 path that runs here, on the same weight: AMX and AVX2 round each output
+    once and must be that rounding to the bit (`_once_rounded`); oneDNN (VNNI) rounds twice,
+    so it is within one bfloat16 rounding (1.6e-2 of the largest output; 1e-5 in float32).
+    Rows 1, 15, 64, 200 and 300, N = 600 (partial strips); a row's outputs do not depend on
+    the other rows of its call. The weight is held once, packed for its path."""
     torch.manual_seed(3)
     w = (torch.randn(600, 576) * 0.05).to(dtype)
     b = torch.randn(600).to(dtype)
-    lin = Int8Linear(w, ops)
-    dnn = Int8Linear(w, ops, amx=False)
-    assert lin.amx == ops.amx_int8_supported() and not dnn.amx
-    assert (lin.tiles is not None, lin.packed is None) == (lin.amx, lin.amx)
+    qw, sw = quantize_weight(w)
+    lins = {p: Int8Linear(w, ops, p) for p in _paths(ops)}
+    assert lins and Int8Linear(w, ops).path in lins
+    for p, lin in lins.items():
+        assert lin.path == p and lin.packed is not None
     for rows in (1, 15, 64, 200, 300):
         x = torch.randn(rows, 576).to(dtype)
-        y, y_dnn = lin(x, b), dnn(x, b)
-        assert y.dtype == dtype
-        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
-        assert ((y.double() - y_dnn.double()).abs().max() / y_dnn.double().abs().max()) < tol
-        if lin.amx:  # on AMX a row's outputs do not depend on the other rows of its call
-            assert torch.equal(lin(x[-1:], b)[0], y[-1])
+        qx, sx = ops.quantize_rows(x)
+        exact = _once_rounded(qx, sx, qw, sw, b, dtype)
+        for p, lin in lins.items():
+            y = lin(x, b)
+            assert y.dtype == dtype and y.shape == (rows, 600)
+            if p == "onednn":
+                tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+                assert (
+                    (y.double() - exact.double()).abs().max() / exact.double().abs().max()
+                ) < tol
+            else:
+                assert torch.equal(y, exact), p
+                assert torch.equal(lin(x[-1:], b)[0], y[-1])
 
 
-@needs_vnni
-def test_amx_int8_matmul_refuses_what_it_cannot_take(ops):
+@needs_int8
+def test_avx2_int8_sums_do_not_saturate(ops):
+    """Without VNNI a pair of byte products is summed in 16 bits (vpmaddubsw): 127 * 127 * 2
+    fits, 128 * 127 * 2 or 255 * 127 * 2 would not. Rows of +-127 against weights of +-127,
+    every sign pattern, must give the exact sums (oneDNN's int8 gave a column 6% off here)."""
+    if not _can(ops, "avx2"):
+        pytest.skip("no AVX2 int8 kernel in this build")
+    k = 256
+    w = torch.ones(32, k)
+    w[1] = -1
+    w[2, ::2] = -1
+    w[3, 1::2] = -1
+    x = torch.ones(3, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    lin = Int8Linear(w, ops, "avx2")
+    y = lin(x)
+    qx, sx = ops.quantize_rows(x)
+    assert qx.abs().min() == 127 and lin.scales.tolist() == pytest.approx([1 / 127] * 32)
+    qw, sw = quantize_weight(w)
+    assert torch.equal(y, _once_rounded(qx, sx, qw, sw, None, torch.float32))
+    assert torch.allclose(y, x @ w.T, rtol=1e-5)  # +-256, +-0: no pair saturated
+
+
+def test_int8_matmuls_refuse_what_they_cannot_take(ops):
     q, s = quantize_weight(torch.randn(64, 128))
     xq, xs = ops.quantize_rows(torch.randn(4, 128))
-    if not ops.amx_int8_supported():  # no AMX here: a clear error, and Int8Linear never calls it
+    if ops.amx_int8_supported():
+        tiles = ops.amx_int8_pack(q)
+        ops.amx_int8_matmul(xq, xs, tiles, s, None, torch.float32)
+        with pytest.raises(RuntimeError, match="amx_int8_pack"):
+            ops.amx_int8_matmul(xq, xs, tiles[:-1], s, None, torch.float32)  # a short weight
+        with pytest.raises(RuntimeError, match="one per row"):
+            ops.amx_int8_matmul(xq, xs[:-1], tiles, s, None, torch.float32)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            ops.amx_int8_pack(torch.zeros(8, 100, dtype=torch.int8))
+    else:  # no AMX here: a clear error, and Int8Linear never calls it
         with pytest.raises(RuntimeError, match="AMX"):
             ops.amx_int8_matmul(xq, xs, q.view(torch.int32), s, None, torch.float32)
+        with pytest.raises(ValueError, match="cannot run here"):
+            Int8Linear(torch.randn(64, 128), ops, "amx")
+    packed = ops.avx2_int8_pack(q)
+    if not ops.avx2_int8_supported():
+        with pytest.raises(RuntimeError, match="AVX2"):
+            ops.avx2_int8_matmul(xq, xs, packed, s, None, torch.float32)
         return
-    tiles = ops.amx_int8_pack(q)
-    ops.amx_int8_matmul(xq, xs, tiles, s, None, torch.float32)
-    with pytest.raises(RuntimeError, match="amx_int8_pack"):
-        ops.amx_int8_matmul(xq, xs, tiles[:-1], s, None, torch.float32)  # a short weight
+    ops.avx2_int8_matmul(xq, xs, packed, s, None, torch.float32)
+    with pytest.raises(RuntimeError, match="avx2_int8_pack"):
+        ops.avx2_int8_matmul(xq, xs, packed[:-1], s, None, torch.float32)  # a short weight
+    with pytest.raises(RuntimeError, match="aligned"):
+        ops.avx2_int8_matmul(xq, xs, torch.zeros(packed.numel() + 1, dtype=torch.int8)[1:], s,
+                             None, torch.float32)  # fmt: skip
     with pytest.raises(RuntimeError, match="one per row"):
-        ops.amx_int8_matmul(xq, xs[:-1], tiles, s, None, torch.float32)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        ops.amx_int8_pack(torch.zeros(8, 100, dtype=torch.int8))
+        ops.avx2_int8_matmul(xq, xs[:-1], packed, s, None, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        ops.avx2_int8_pack(torch.zeros(8, 30, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.avx2_int8_matmul(xq, xs, packed, s, torch.zeros(3), torch.float32)
 
 
 def test_quantize_weight_is_per_output_channel():
@@ -134,7 +212,7 @@ def test_unsupported_settings_are_refused_at_start():
     assert "float16" in unsupported_reason(
         EngineConfig.build(quantization="int8", device="cpu", dtype="float16")
     )
-    if quant.cpu_has_vnni():
+    if quant.cpu_has_vnni() or quant.avx2_int8_built():
         assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
     with pytest.raises(SystemExit, match="CPU-only"):
         main(["serve", "--quantization", "int8", "--device", "cuda"])
@@ -142,10 +220,11 @@ def test_unsupported_settings_are_refused_at_start():
         main(["serve", "--quantization", "int4"])
 
 
-def test_int8_weights_are_refused_without_vnni(monkeypatch):
+def test_int8_weights_are_refused_without_vnni_or_avx2(monkeypatch):
     monkeypatch.setattr(quant, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(quant, "avx2_int8_built", lambda: False)
     reason = unsupported_reason(EngineConfig.build(quantization="int8", device="cpu"))
-    assert reason is not None and "VNNI" in reason
+    assert reason is not None and "VNNI" in reason and "AVX2" in reason
     assert unsupported_reason(EngineConfig.build(kv_cache_dtype="int8", device="cpu")) is None
 
 
@@ -183,7 +262,7 @@ def _agreement(scorer: LLM, prompts: list[list[int]], outputs: list[list[int]]) 
 AGREEMENT = 0.85  # measured 0.955 (bfloat16), 0.955 (float32), 0.985 (int8 KV), smoothed
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize(
     "dtype,kv", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8")]
 )
@@ -212,7 +291,7 @@ def test_int8_greedy_output_agrees_with_unquantized_batched_chunked_preempted(
 TP_AGREEMENT = 0.8  # measured 0.906 (smoothed)
 
 
-@needs_vnni
+@needs_int8
 def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):
     """Every process, real sockets: two tensor-parallel ranks each quantize their own
     shard; with the 8-bit KV cache too, the greedy output (token ids through the native
@@ -244,7 +323,7 @@ def test_served_with_two_ranks_int8_weights_and_kv(tiny_models):
     assert rate >= TP_AGREEMENT
 
 
-@needs_vnni
+@needs_int8
 def test_int8_with_speculative_decoding_equals_int8_without(default_model):
     """Drafts are verified as extra rows of the same int8 matmuls (rows are independent:
     exact int32 sums, each row's own scale) and one-token rows of decode attention, so in
@@ -291,7 +370,7 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny_models, arch):
     assert after == pytest.approx(before, abs=1e-4)
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_int8_with_the_prefix_cache(default_model, prompts, kv):
     """Requests that share a long prefix, served one after another: the later ones read the

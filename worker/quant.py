@@ -4,15 +4,16 @@ Each linear weight is quantized once, after loading and sharding (so under tenso
 parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
 per row, `Kernels.quantize_rows`), the int8 matmul runs on AMX's int8 tiles where the
-CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in oneDNN (VNNI,
-`onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled
-back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
+CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in oneDNN where the CPU has
+VNNI (`onednn::qlinear_pointwise` on a prepacked weight), else in our AVX2 kernel
+(subway_kernels/csrc/avx2_int8_cpu.cpp), and each output row is scaled back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
 activation outliers into the weights first); embeddings, norms and attention stay in
 the model's dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from subway.ipc.config import EngineConfig
 
 
+@functools.cache
 def cpu_has_vnni() -> bool:
     """Whether this CPU has int8 dot products (AVX512-VNNI or AVX-VNNI); True off x86 Linux,
     where oneDNN picks its own path. Without them oneDNN's x86 int8 matmul sums pairs of
@@ -32,6 +34,11 @@ def cpu_has_vnni() -> bool:
     except OSError:
         return True
     return " avx512_vnni" in flags or " avx_vnni" in flags
+
+
+def avx2_int8_built() -> bool:
+    """Whether the C++ kernels have the AVX2 int8 matmul (built for AVX2 and FMA)."""
+    return int8_ops().avx2_int8_supported()
 
 
 def unsupported_reason(config: EngineConfig, device: torch.device | None = None) -> str | None:
@@ -53,14 +60,14 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
             return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
         if config.model.dtype in ("float16", "half"):
             return "--quantization int8 runs in bfloat16 or float32 (not --dtype float16)"
-        if not torch.backends.mkldnn.is_available() or not hasattr(
+        onednn = torch.backends.mkldnn.is_available() and hasattr(
             torch.ops.onednn, "qlinear_pointwise"
-        ):
-            return "--quantization int8 needs torch built with oneDNN's quantized linear"
-        if not cpu_has_vnni():
+        )
+        if not (cpu_has_vnni() and onednn) and not avx2_int8_built():
             return (
-                "--quantization int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI): without "
-                "it oneDNN's int8 matmul saturates its partial sums"
+                "--quantization int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI, and torch "
+                "built with oneDNN's quantized linear) or with AVX2: without VNNI oneDNN's int8 "
+                "matmul saturates its partial sums"
             )
     if kv == "int8" and not config.model.cpu_ext:
         return "--kv-cache-dtype int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
@@ -79,38 +86,60 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+PATHS = ("auto", "amx", "onednn", "avx2")
+
+
+def choose_path(ops: object, in_features: int, want: str = "auto") -> str:
+    """Which int8 matmul a weight of `in_features` inputs takes: AMX's tiles where the CPU
+    has them, oneDNN where it has VNNI, our AVX2 kernel elsewhere (where oneDNN's pairs of
+    products would saturate). `want` forces one (tests, benchmarks) where it can run."""
+    amx = in_features % 64 == 0 and ops.amx_int8_supported()
+    avx2 = in_features % 4 == 0 and ops.avx2_int8_supported()
+    if want == "auto":
+        if amx or cpu_has_vnni() or avx2:
+            return "amx" if amx else "onednn" if cpu_has_vnni() else "avx2"
+        raise ValueError(f"no int8 matmul here for {in_features} inputs (no VNNI; AVX2 needs 4n)")
+    if want not in PATHS or (want == "amx" and not amx) or (want == "avx2" and not avx2):
+        raise ValueError(f"int8 path {want!r} cannot run here for {in_features} inputs")
+    return want
+
+
 class Int8Linear:
     """One linear layer's int8 weight and the call that uses it.
 
     `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
     (`quantize_rows`), the exact int8 sums, each output times its row's and its
-    channel's scale, plus the bias. Where the CPU has AMX (subway_kernels/csrc/amx_int8_cpu.cpp)
-    the weight is held only as AMX tiles (`tiles`), and every call takes them, rounding
-    once. Elsewhere (or with `amx=False`) oneDNN's int8 matmul takes its prepacked copy
-    (`packed`) and folds the channel scales in; `rescale_rows_` then applies the row's.
+    channel's scale, plus the bias. The weight is held once, packed for its path
+    (`choose_path`): as AMX tiles (`amx_int8_cpu.cpp`) or AVX2 strips (`avx2_int8_cpu.cpp`),
+    whose kernels round each output once, the same bits on both; or as oneDNN's prepacked
+    copy, which folds the channel scales in, and `rescale_rows_` then applies the row's.
     """
 
-    def __init__(self, weight: torch.Tensor, ops: object, amx: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, ops: object, path: str = "auto") -> None:
         q, scales = quantize_weight(weight)
         self.out_features, self.in_features = q.shape
         self.scales = scales
         self._quantize = ops.quantize_rows
         self._rescale = ops.rescale_rows_
-        self._matmul = torch.ops.onednn.qlinear_pointwise
-        # oneDNN's int8 matmul reads this VM's int8 weights no faster than bfloat16 ones.
-        self.amx = amx and q.shape[1] % 64 == 0 and ops.amx_int8_supported()
-        self._amx = ops.amx_int8_matmul
-        self.tiles = ops.amx_int8_pack(q) if self.amx else None
-        self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(q, None)
-        self.zero_points = None if self.amx else torch.zeros(self.out_features, dtype=torch.int64)
+        self.path = choose_path(ops, self.in_features, path)
+        self._matmul = {
+            "amx": ops.amx_int8_matmul,
+            "avx2": ops.avx2_int8_matmul,
+            "onednn": torch.ops.onednn.qlinear_pointwise,
+        }[self.path]
+        pack = {"amx": ops.amx_int8_pack, "avx2": ops.avx2_int8_pack}.get(self.path)
+        self.packed = pack(q) if pack is not None else torch.ops.onednn.qlinear_prepack(q, None)
+        self.zero_points = (
+            torch.zeros(self.out_features, dtype=torch.int64) if self.path == "onednn" else None
+        )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
         q, s = self._quantize(x)
-        if self.amx:  # x is bfloat16 or float32, as quantize_rows requires
+        if self.path != "onednn":  # x is bfloat16 or float32, as quantize_rows requires
             b = None if bias is None else bias.to(x.dtype).contiguous()
-            return self._amx(q, s, self.tiles, self.scales, b, x.dtype)
+            return self._matmul(q, s, self.packed, self.scales, b, x.dtype)
         y = self._matmul(
             q, 1.0, 0, self.packed, self.scales, self.zero_points, None,
             1.0, 0, x.dtype, "none", [], "",

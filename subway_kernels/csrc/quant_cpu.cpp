@@ -15,6 +15,12 @@ namespace {
 inline float load_float(const float* x, int64_t i) { return x[i]; }
 inline float load_float(const at::BFloat16* x, int64_t i) { return static_cast<float>(x[i]); }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define SUBWAY_QUANT_AVX2 1
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) { return widen_bf16_8(x); }
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const at::BFloat16* x) {
@@ -32,6 +38,11 @@ float quantize_row(const T* x, int8_t* q, int64_t n) {
   __m512 vmax = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + i)));
   amax = _mm512_reduce_max_ps(vmax);
+#elif defined(SUBWAY_QUANT_AVX2)
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + i), absmask));
+  amax = hmax8(vmax);
 #endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(load_float(x, i)));
   const float scale = amax / 127.f;
@@ -45,6 +56,18 @@ float quantize_row(const T* x, int8_t* q, int64_t n) {
     v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
     const __m512i r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
+  }
+#elif defined(SUBWAY_QUANT_AVX2)
+  // The same steps 8 at a time: multiply, clamp, round to nearest even (MXCSR's default, as
+  // std::nearbyint), then narrow (every value is already in [-127, 127]).
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(load8(x + i), vinv);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    const __m256i r = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
   }
 #endif
   for (; i < n; ++i) {

@@ -1,8 +1,10 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
 the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, AMX from 5 rows
 where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
-`worker.quant.Int8Linear`, activations quantized per row; on AMX where the CPU has it,
-and the same call on oneDNN beside it).
+`worker.quant.Int8Linear`, activations quantized per row, on the path `choose_path`
+picks: AMX, oneDNN with VNNI, else the AVX2 kernel; and the same call on oneDNN beside it
+where the CPU has VNNI). Where oneDNN has no native bfloat16 the packed weight is the
+float32 copy the engine keeps (`--bf16-matmul auto`, `widen_bf16`).
 
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from subway.kernels import cpu_ext
-from subway.worker.layers import linear, pack_weight
-from subway.worker.quant import Int8Linear, int8_ops
+from subway.worker.layers import linear, pack_weight, widen_bf16
+from subway.worker.quant import Int8Linear, cpu_has_vnni, int8_ops
 
 SHAPES = [(832, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -36,16 +38,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
-    packed = [[pack_weight(w, 64) for w in ws] for ws in layers]
+    wide = dtype == torch.bfloat16 and widen_bf16("auto")
+    packed = [[pack_weight(w.float() if wide else w, 64) for w in ws] for ws in layers]
     ops = int8_ops()
     ext = cpu_ext.load()
     few = ext.small_linear if ext is not None and ext.small_linear_supported() else None
     few_rows = ext.small_linear_rows() if few is not None else 0
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
-    int8_dnn = [[Int8Linear(w, ops, amx=False) for w in ws] for ws in layers]
+    # oneDNN's int8 saturates without VNNI: there it is not a path, and not timed.
+    int8_dnn = (
+        [[Int8Linear(w, ops, "onednn") for w in ws] for ws in layers] if cpu_has_vnni() else None
+    )
     print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
           f" small_linear ms | small vs packed | int8 oneDNN ms | int8 vs int8 oneDNN |"
-          f"  ({a.dtype}, {a.threads} threads)")  # fmt: skip
+          f"  ({a.dtype}, {a.threads} threads, int8 on {int8[0][0].path}"
+          f"{', bfloat16 packed as float32' if wide else ''})")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b in (int(x) for x in a.batches.split(",")):
         xs = {i: torch.randn(b, i, dtype=dtype) for _, i in SHAPES}
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         def pk(xs: dict[int, torch.Tensor] = xs) -> None:
             for ws, ps in zip(layers, packed, strict=True):
                 for w, pw in zip(ws, ps, strict=True):
-                    linear(xs[w.shape[1]], w, None, pw)
+                    linear(xs[w.shape[1]], w, None, pw, wide=wide)
 
         def q8(xs: dict[int, torch.Tensor] = xs, int8: list = int8) -> None:
             for ws, qs in zip(layers, int8, strict=True):
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                     q(xs[w.shape[1]])
 
         def q8_dnn(xs: dict[int, torch.Tensor] = xs) -> None:
-            q8(xs, int8_dnn)
+            if int8_dnn is not None:
+                q8(xs, int8_dnn)
 
         def sm(xs: dict[int, torch.Tensor] = xs) -> None:
             for ws in layers:
@@ -86,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         small = f" {ms[4]:.1f} | {ms[1] / ms[4]:.2f}x |" if len(ms) > 4 else " - | - |"
         print(
             f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.1f} "
-            f"| {ms[1] / ms[2]:.2f}x |{small} {ms[3]:.1f} | {ms[3] / ms[2]:.2f}x |",
+            f"| {ms[1] / ms[2]:.2f}x |{small} "
+            + (f"{ms[3]:.1f} | {ms[3] / ms[2]:.2f}x |" if int8_dnn is not None else "- | - |"),
             flush=True,
         )
 
