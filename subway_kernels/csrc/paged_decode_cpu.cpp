@@ -319,13 +319,24 @@ static inline void scores8(const float* tile, int64_t tile_row, const float* qf,
   for (int64_t j = 0; j < nt; ++j) out[j] = sums[j];
 }
 
-template <typename T, int NC>
-static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32_t* tables,
+// 8 int8 values as floats.
+static inline __m256 widen_i8_8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// C is the cache's element: T, or int8_t for the 8-bit cache (`--kv-cache-dtype int8`), whose
+// rows are head_dim values and then their float32 scale (paged_decode_int8_cpu.cpp). Its
+// rows are widened into the same float tile; each key's scale then multiplies its scores,
+// each value's scale its weights (as the AVX-512 int8 kernel does).
+template <typename T, int NC, typename C = T>
+static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32_t* tables,
                                const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
                                int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 8;
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+  constexpr int64_t W = kInt8 ? D + 4 : D;  // one head's row, in elements of C
   const int64_t G = H / KVH;
-  const int64_t row = KVH * D;
+  const int64_t row = KVH * W;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
   const int64_t hp = KVH / split;                     // KV heads per item
@@ -334,10 +345,28 @@ static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return ctx[a] > ctx[b]; });
-  const int64_t run_bytes = hp * D * (int64_t)sizeof(T);  // one token's heads of an item
+  const int64_t run_bytes = hp * W * (int64_t)sizeof(C);  // one token's heads of an item
 #pragma omp parallel num_threads(std::min<int64_t>(threads, items))
   {
     std::vector<float> qf(hp * G * D), tile(BS * hp * D), scores, acc(hp * G * D);
+    std::vector<float> rs(kInt8 ? BS * hp : 0);  // the block's row scales (int8 cache)
+    // A block's nt rows of this item's heads, widened into the tile (and their scales).
+    auto widen_block = [&](const C* b, int64_t nt) {
+      const int64_t tr = hp * D;
+      if constexpr (kInt8) {
+        for (int64_t j = 0; j < nt; ++j)
+          for (int64_t hh = 0; hh < hp; ++hh) {
+            const int8_t* r = b + j * row + hh * W;
+            std::memcpy(&rs[hh * BS + j], r + D, sizeof(float));
+            for (int c = 0; c < NC; ++c)
+              _mm256_storeu_ps(tile.data() + j * tr + hh * D + c * 8, widen_i8_8(r + c * 8));
+          }
+      } else {
+        for (int64_t j = 0; j < nt; ++j)
+          for (int64_t c = 0; c < hp * NC; ++c)
+            _mm256_storeu_ps(tile.data() + j * tr + c * 8, load8(b + j * row + c * 8));
+      }
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < items; ++k) {
       const int64_t s = order[k / split], h0 = (k % split) * hp;
@@ -352,20 +381,20 @@ static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32
       const int64_t tr = hp * D;  // a tile row: one token's heads of this item
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
-        const T* kb = kc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
+        const C* kb = kc + (int64_t)table[t0 / BS] * BS * row + h0 * W;
         if (t0 + BS < L)
-          prefetch_block(kc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * D,
+          prefetch_block(kc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * W,
                          std::min(BS, L - t0 - BS), row, run_bytes);
-        for (int64_t j = 0; j < nt; ++j)
-          for (int64_t c = 0; c < hp * NC; ++c)
-            _mm256_storeu_ps(tile.data() + j * tr + c * 8, load8(kb + j * row + c * 8));
+        widen_block(kb, nt);
         for (int64_t j0 = 0; j0 < nt; j0 += 8) {
           const int64_t m = std::min<int64_t>(8, nt - j0);
           for (int64_t hh = 0; hh < hp; ++hh)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t i = hh * G + g;
-              scores8<NC>(tile.data() + j0 * tr + hh * D, tr, qf.data() + i * D, m,
-                          scores.data() + i * L + t0 + j0);
+              float* sc = scores.data() + i * L + t0 + j0;
+              scores8<NC>(tile.data() + j0 * tr + hh * D, tr, qf.data() + i * D, m, sc);
+              if constexpr (kInt8)
+                for (int64_t j = 0; j < m; ++j) sc[j] *= rs[hh * BS + j0 + j];
             }
         }
       }
@@ -373,13 +402,11 @@ static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
-        const T* vb = vc + (int64_t)table[t0 / BS] * BS * row + h0 * D;
+        const C* vb = vc + (int64_t)table[t0 / BS] * BS * row + h0 * W;
         if (t0 + BS < L)
-          prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * D,
+          prefetch_block(vc + (int64_t)table[t0 / BS + 1] * BS * row + h0 * W,
                          std::min(BS, L - t0 - BS), row, run_bytes);
-        for (int64_t j = 0; j < nt; ++j)
-          for (int64_t c = 0; c < hp * NC; ++c)
-            _mm256_storeu_ps(tile.data() + j * tr + c * 8, load8(vb + j * row + c * 8));
+        widen_block(vb, nt);
         for (int64_t hh = 0; hh < hp; ++hh)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t i = hh * G + g;
@@ -388,7 +415,7 @@ static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32
             __m256 a[NC];
             for (int c = 0; c < NC; ++c) a[c] = _mm256_loadu_ps(ai + c * 8);
             for (int64_t j = 0; j < nt; ++j) {
-              const __m256 pj = _mm256_set1_ps(p[j]);
+              const __m256 pj = _mm256_set1_ps(kInt8 ? p[j] * rs[hh * BS + j] : p[j]);
               const float* v = tile.data() + j * tr + hh * D;
               for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + c * 8), a[c]);
             }
@@ -401,6 +428,31 @@ static void decode_kernel_avx2(const T* q, const T* kc, const T* vc, const int32
   }
 }
 static constexpr bool kHaveAvx2 = true;
+
+// For paged_decode_int8_cpu.cpp: the AVX2 kernel over an 8-bit cache, where the head size
+// suits it (head_dim 16, 32, 64 or 128); false where it does not, for the generic kernel.
+template <typename T>
+bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
+                      const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t max_blocks, float scale) {
+  switch (D) {
+    case 16: decode_kernel_avx2<T, 2, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    default: return false;
+  }
+}
+template bool decode_int8_avx2<float>(const float*, const int8_t*, const int8_t*, const int32_t*,
+                                      const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, float);
+template bool decode_int8_avx2<c10::BFloat16>(const c10::BFloat16*, const int8_t*, const int8_t*,
+                                              const int32_t*, const int32_t*, c10::BFloat16*,
+                                              int64_t, int64_t, int64_t, int64_t, int64_t,
+                                              int64_t, float);
+template bool decode_int8_avx2<c10::Half>(const c10::Half*, const int8_t*, const int8_t*,
+                                          const int32_t*, const int32_t*, c10::Half*, int64_t,
+                                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
 #else
 static constexpr bool kHaveAvx2 = false;
 #endif

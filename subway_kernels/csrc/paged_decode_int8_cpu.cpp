@@ -213,6 +213,15 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// paged_decode_cpu.cpp: its AVX2 kernel, reading the int8 rows into its float tile.
+template <typename T>
+bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
+                      const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t max_blocks, float scale);
+#define SUBWAY_INT8_AVX2 1
+#endif
+
 template <typename T>
 static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
                           const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
@@ -226,6 +235,13 @@ static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const 
       case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
+  }
+#endif
+#if defined(SUBWAY_INT8_AVX2)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (!generic &&
+        decode_int8_avx2<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale))
+      return;
   }
 #endif
   decode_int8_generic<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale);

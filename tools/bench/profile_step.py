@@ -23,7 +23,7 @@ from subway.ipc.messages import NewSeq, Plan, SamplingParams, SeqStep, TokenRef
 from subway.worker.runner import ModelRunner
 
 GROUPS = {
-    "linear (matmuls)": ("linear", "qlinear_pointwise", "amx_int8_matmul"),
+    "linear (matmuls)": ("linear", "qlinear_pointwise", "amx_int8_matmul", "avx2_int8_matmul"),
     "int8 activations (quantize, rescale)": ("quantize_rows", "rescale_rows_"),
     "attention": ("paged_decode", "scaled_dot_product_attention", "paged_attention"),
     "sampling": ("argmax", "sampler", "softmax", "log_softmax", "topk"),
