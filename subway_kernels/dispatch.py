@@ -72,8 +72,8 @@ class Kernels:
     # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
     argmax_rows: Callable | None = None
     small_linear_rows: int = 1  # the most rows that small_linear takes
-    # Every decoder layer of a decode step of up to small_linear_rows rows in one call
-    # (`decode_layers_cpu.cpp`, worker/model.py FusedDecode); None: none here.
+    # Every decoder layer of a decode step in one call (`decode_layers_cpu.cpp`, worker/model.py
+    # FusedDecode: up to small_linear_rows rows in bfloat16, any under int8); None: none here.
     decode_layers: Callable | None = None
 
 
@@ -141,5 +141,5 @@ def _cpu_kernels(ext) -> Kernels:
     small = ext.small_linear if ext.small_linear_supported() else None
     return Kernels(
         "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small, ext.argmax_rows,
-        max(1, ext.small_linear_rows()), ext.decode_layers if small is not None else None,
+        max(1, ext.small_linear_rows()), ext.decode_layers,
     )  # fmt: skip

@@ -75,6 +75,41 @@ def test_fused_decode_gives_the_python_loops_bits(tiny_models, arch, kv):
     assert rows and max(rows) <= limit and {1, 3} <= set(rows)
 
 
+def _int8_refused() -> str | None:
+    from subway.ipc.config import EngineConfig
+    from subway.worker.quant import unsupported_reason
+
+    return unsupported_reason(EngineConfig.build(quantization="int8", device="cpu"))
+
+
+@pytest.mark.skipif(_int8_refused() is not None, reason="int8 weights refused on this CPU")
+@pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("qwen2", "int8")])
+def test_fused_decode_under_int8_gives_the_python_loops_bits(tiny_models, arch, kv):
+    """`--quantization int8`: each linear is Int8Linear's call (quantize the rows, the AVX2
+    or AMX int8 matmul) inside the fused call. The same tokens and logprobs with and without
+    it, at 1, 3 and 20 sequences: int8 steps of any size are fused (the int8 matmuls take
+    any row count). Where the int8 matmul is oneDNN's (VNNI without AMX) the loop stays."""
+    from subway.llm import LLM
+    from subway.worker.quant import choose_path, int8_ops
+
+    llm = LLM(path=tiny_models[arch], dtype="bfloat16", quantization="int8", kv_cache_dtype=kv,
+              block_size=16, num_kv_blocks=512, max_num_seqs=20,
+              enable_prefix_caching=False)  # fmt: skip
+    model = llm.runner.model
+    path = choose_path(int8_ops(), model.arch.hidden_size)
+    if path == "onednn":
+        assert model.fused_decode is None
+        return
+    assert model.fused_decode is not None and model.fused_decode.int8_path in (1, 2)
+    rows = _counting(model)
+    for n, seed in ((1, 0), (3, 1), (20, 2)):
+        prompts = _prompts(llm.runner.vocab_size, [5 + 7 * i for i in range(n)], seed)
+        fused = _generate(llm, prompts, fused=True)
+        plain = _generate(llm, prompts, fused=False)
+        assert fused == plain, (arch, kv, n)
+    assert {1, 3, 20} <= set(rows)
+
+
 def test_fused_decode_is_off_where_it_would_differ(tiny_models):
     """Qwen3's q/k norms and float32 models (no few-row kernel) keep the Python loop."""
     from subway.llm import LLM
@@ -83,11 +118,16 @@ def test_fused_decode_is_off_where_it_would_differ(tiny_models):
     assert LLM(path=tiny_models["llama"], dtype="float32").runner.model.fused_decode is None
 
 
-def test_fused_decode_on_the_default_model(default_model):
-    """The default model, bfloat16, one and four sequences: the same tokens and logprobs."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_fused_decode_on_the_default_model(default_model, quantization):
+    """The default model, bfloat16 (and int8 weights where this CPU takes them), one and four
+    sequences: the same tokens and logprobs."""
     from subway.llm import LLM
 
-    llm = LLM(path=default_model, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False)
+    if quantization and _int8_refused():
+        pytest.skip("int8 weights refused on this CPU")
+    llm = LLM(path=default_model, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False,
+              quantization=quantization)  # fmt: skip
     prompts = _prompts(llm.runner.vocab_size, [7, 30, 12, 60], seed=5)
     for group in (prompts[:1], prompts):
         assert _generate(llm, group, fused=True, max_tokens=12) == _generate(

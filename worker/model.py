@@ -199,7 +199,7 @@ class CausalLM(nn.Module):
         """Final hidden states `[len(sample_idx), hidden]` at the sampling positions."""
         h = F.embedding(input_ids, self.embed_tokens)
         fused = self.fused_decode
-        if fused is not None and md.all_decode and h.shape[0] <= self.kernels.small_linear_rows:
+        if fused is not None and md.all_decode and h.shape[0] <= fused.max_rows:
             h, residual = fused(h, positions, self.rope_cache, md, kv_caches)
         else:
             residual = None
@@ -247,6 +247,7 @@ class CausalLM(nn.Module):
             if isinstance(m, PackedLinear)
         )
         if self.lm_head_int8 is not None:
+            self.fused_decode = FusedDecode.build(self) if ok else None
             return ok
         w = self.lm_head
         self.lm_head_wide = wide and w.dtype == torch.bfloat16
@@ -343,26 +344,34 @@ _LAYER = re.compile(
 
 
 class FusedDecode:
-    """Every layer of a decode step of up to `small_linear_rows` rows in one compiled call
-    (`Kernels.decode_layers`, subway_kernels/csrc/decode_layers_cpu.cpp): the same kernels,
-    in the same order, as `DecoderLayer.forward`, so the same bits, without a few
-    milliseconds of Python a step (docs/BENCHMARKS.md). It applies where every layer's
-    linears take the few-row kernel, on one rank (no all-reduce between the kernels),
-    without Qwen3's q/k norms. The weights are held as Parameters, so a later move into
-    huge pages (`rehome`, which swaps `.data`) is seen."""
+    """Every layer of a decode step in one compiled call (`Kernels.decode_layers`,
+    subway_kernels/csrc/decode_layers_cpu.cpp): the same kernels, in the same order, as
+    `DecoderLayer.forward`, so the same bits, without a few milliseconds of Python a step
+    (docs/BENCHMARKS.md). It applies on one rank (no all-reduce between the kernels),
+    without Qwen3's q/k norms, where every layer's linears take the few-row kernel (steps
+    of up to `small_linear_rows` rows), or under `--quantization int8` where they all take
+    the AVX2 or the AMX int8 matmul (steps of any size: those take any row count). The
+    bfloat16 weights are held as Parameters, so a later move into huge pages (`rehome`,
+    which swaps `.data`) is seen."""
 
-    def __init__(self, model: CausalLM, call: Callable) -> None:
+    INT8_PATHS = {"avx2": 1, "amx": 2}  # decode_layers_cpu.cpp's Int8Path
+
+    def __init__(self, model: CausalLM, call: Callable, int8_path: int) -> None:
         arch, none = model.arch, model.embed_tokens.new_empty(0)
         self.call = call
+        self.int8_path = int8_path
+        self.max_rows = model.kernels.small_linear_rows if int8_path == 0 else 1 << 30
         self.weights: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []  # the int8 linears' channel scales
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
-            self.weights += [layer.input_layernorm.weight, attn.qkv.weight, attn.o_proj.weight]
-            self.weights += [layer.post_attention_layernorm.weight]
-            self.weights += [mlp.gate_up.weight, mlp.down_proj.weight]
+            w = [m.int8.packed if int8_path else m.weight for m in linears]
+            self.weights += [layer.input_layernorm.weight, w[0], w[1]]
+            self.weights += [layer.post_attention_layernorm.weight, w[2], w[3]]
             self.biases += [none if m.bias is None else m.bias for m in linears]
+            self.scales += [m.int8.scales for m in linears] if int8_path else []
         attn = model.layers[0].self_attn
         self.shape = (attn.qkv.num_heads, attn.qkv.num_kv_heads, arch.head_dim)
         self.eps, self.scale = arch.rms_norm_eps, attn.scale
@@ -378,11 +387,14 @@ class FusedDecode:
         if call is None or not layers or model.arch.qk_norm:
             return None
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        if any(m.small is None for m in linears):
-            return None
         if layers[0].self_attn.o_proj.tp.world_size != 1:
             return None
-        return cls(model, call)
+        paths = {None if m.int8 is None else m.int8.path for m in linears}
+        if paths == {None}:
+            return None if any(m.small is None for m in linears) else cls(model, call, 0)
+        if len(paths) == 1 and (path := paths.pop()) in cls.INT8_PATHS:
+            return cls(model, call, cls.INT8_PATHS[path])
+        return None  # oneDNN's int8 (VNNI) is Python's call; or a mix
 
     def __call__(
         self,
@@ -397,6 +409,7 @@ class FusedDecode:
             self._k, self._v = [k for k, _ in kv_caches], [v for _, v in kv_caches]
         h, residual = self.call(
             h, positions, rope_cache, md.slot_mapping, md.block_tables, md.context_lens,
-            self._k, self._v, self.weights, self.biases, *self.shape, self.eps, self.scale,
+            self._k, self._v, self.weights, self.biases, self.scales, self.int8_path,
+            *self.shape, self.eps, self.scale,
         )  # fmt: skip
         return h, residual

@@ -548,9 +548,10 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
                                          std::vector<torch::Tensor> k_caches,
                                          std::vector<torch::Tensor> v_caches,
                                          std::vector<torch::Tensor> weights,
-                                         std::vector<torch::Tensor> biases, int64_t num_heads,
-                                         int64_t num_kv_heads, int64_t head_dim, double eps,
-                                         double scale);
+                                         std::vector<torch::Tensor> biases,
+                                         std::vector<torch::Tensor> scales, int64_t int8_path,
+                                         int64_t num_heads, int64_t num_kv_heads,
+                                         int64_t head_dim, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
