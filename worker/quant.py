@@ -36,6 +36,16 @@ def cpu_has_vnni() -> bool:
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
+def onednn_int8() -> bool:
+    """Whether oneDNN's int8 matmul is a path here: VNNI (else its sums saturate) and torch
+    built with oneDNN's quantized linear."""
+    return (
+        cpu_has_vnni()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    )
+
+
 def avx2_int8_built() -> bool:
     """Whether the C++ kernels have the AVX2 int8 matmul (built for AVX2 and FMA)."""
     return int8_ops().avx2_int8_supported()
@@ -60,10 +70,7 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
             return "--quantization int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
         if config.model.dtype in ("float16", "half"):
             return "--quantization int8 runs in bfloat16 or float32 (not --dtype float16)"
-        onednn = torch.backends.mkldnn.is_available() and hasattr(
-            torch.ops.onednn, "qlinear_pointwise"
-        )
-        if not (cpu_has_vnni() and onednn) and not avx2_int8_built():
+        if not onednn_int8() and not avx2_int8_built():
             return (
                 "--quantization int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI, and torch "
                 "built with oneDNN's quantized linear) or with AVX2: without VNNI oneDNN's int8 "
@@ -86,20 +93,21 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-PATHS = ("auto", "amx", "onednn", "avx2")
-
-
 def choose_path(ops: object, in_features: int, want: str = "auto") -> str:
     """Which int8 matmul a weight of `in_features` inputs takes: AMX's tiles where the CPU
     has them, oneDNN where it has VNNI, our AVX2 kernel elsewhere (where oneDNN's pairs of
     products would saturate). `want` forces one (tests, benchmarks) where it can run."""
-    amx = in_features % 64 == 0 and ops.amx_int8_supported()
-    avx2 = in_features % 4 == 0 and ops.avx2_int8_supported()
+    can = {
+        "amx": in_features % 64 == 0 and ops.amx_int8_supported(),
+        "onednn": onednn_int8(),
+        "avx2": in_features % 4 == 0 and ops.avx2_int8_supported(),
+    }
     if want == "auto":
-        if amx or cpu_has_vnni() or avx2:
-            return "amx" if amx else "onednn" if cpu_has_vnni() else "avx2"
+        for path in ("amx", "onednn", "avx2"):
+            if can[path]:
+                return path
         raise ValueError(f"no int8 matmul here for {in_features} inputs (no VNNI; AVX2 needs 4n)")
-    if want not in PATHS or (want == "amx" and not amx) or (want == "avx2" and not avx2):
+    if not can.get(want, False):
         raise ValueError(f"int8 path {want!r} cannot run here for {in_features} inputs")
     return want
 

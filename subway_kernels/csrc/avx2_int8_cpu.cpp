@@ -20,6 +20,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 // Built wherever AVX2 and FMA are (AVX-512 CPUs too, so that its tests run there); worker/quant.py

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from subway.kernels import cpu_ext
 from subway.worker.layers import linear, pack_weight, widen_bf16
-from subway.worker.quant import Int8Linear, cpu_has_vnni, int8_ops
+from subway.worker.quant import Int8Linear, int8_ops, onednn_int8
 
 SHAPES = [(832, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
     # oneDNN's int8 saturates without VNNI: there it is not a path, and not timed.
     int8_dnn = (
-        [[Int8Linear(w, ops, "onednn") for w in ws] for ws in layers] if cpu_has_vnni() else None
+        [[Int8Linear(w, ops, "onednn") for w in ws] for ws in layers] if onednn_int8() else None
     )
     print(f"| batch | plain F.linear ms | packed ms | speed-up | int8 ms | int8 vs packed |"
           f" small_linear ms | small vs packed | int8 oneDNN ms | int8 vs int8 oneDNN |"
