@@ -218,6 +218,12 @@ def test_unsupported_settings_are_refused_at_start():
         main(["serve", "--quantization", "int4"])
 
 
+def test_the_start_up_check_reads_what_the_kernels_were_built_with(ops):
+    """The start-up check reads AVX2 and FMA from the CPU's flags, without loading the
+    kernels; the kernels, built for this CPU, must agree."""
+    assert quant.avx2_int8_built() == ops.avx2_int8_supported()
+
+
 def test_int8_weights_are_refused_without_vnni_or_avx2(monkeypatch):
     monkeypatch.setattr(quant, "cpu_has_vnni", lambda: False)
     monkeypatch.setattr(quant, "avx2_int8_built", lambda: False)

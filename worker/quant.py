@@ -22,18 +22,23 @@ from subway.ipc.config import EngineConfig
 
 
 @functools.cache
+def _cpu_flags() -> str | None:
+    """/proc/cpuinfo's text on x86 Linux, else None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def cpu_has_vnni() -> bool:
     """Whether this CPU has int8 dot products (AVX512-VNNI or AVX-VNNI); True off x86 Linux,
     where oneDNN picks its own path. Without them oneDNN's x86 int8 matmul sums pairs of
     products in 16 bits, which saturate: on an AVX2-only CPU a column came out 6% off."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True
-    return " avx512_vnni" in flags or " avx_vnni" in flags
+    flags = _cpu_flags()
+    return flags is None or " avx512_vnni" in flags or " avx_vnni" in flags
 
 
 def onednn_int8() -> bool:
@@ -47,8 +52,11 @@ def onednn_int8() -> bool:
 
 
 def avx2_int8_built() -> bool:
-    """Whether the C++ kernels have the AVX2 int8 matmul (built for AVX2 and FMA)."""
-    return int8_ops().avx2_int8_supported()
+    """Whether the C++ kernels have the AVX2 int8 matmul: they are compiled for this CPU
+    (-march=native), so wherever it has AVX2 and FMA. Read from the CPU's flags, so that the
+    start-up check does not load the kernels; `int8_ops` says so if they did not build."""
+    flags = _cpu_flags()
+    return flags is not None and " avx2" in flags and " fma" in flags
 
 
 def unsupported_reason(config: EngineConfig, device: torch.device | None = None) -> str | None:
