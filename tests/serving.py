@@ -42,7 +42,12 @@ def free_port() -> int:
 class Server:
     """A `subway serve` subprocess on a free port with its own run id."""
 
-    def __init__(self, model: str, *flags: str, startup_timeout: float = 180.0) -> None:
+    def __init__(
+        self, model: str, *flags: str, startup_timeout: float = 180.0, whole: bool = False
+    ) -> None:
+        """`whole`: wait until every engine serves (`/health` "ok"), not only one of them
+        ("degraded": a test of routing between engines must not start before all are up)."""
+        self.whole = whole
         self.port = free_port()
         self.run_id = "t" + uuid.uuid4().hex[:8]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -64,9 +69,12 @@ class Server:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            r = httpx.get(self.url + "/health", timeout=1)
         except httpx.HTTPError:
             return False
+        if r.status_code != 200:
+            return False
+        return not self.whole or not r.content or r.json().get("status") == "ok"
 
     def children(self) -> list[psutil.Process]:
         try:

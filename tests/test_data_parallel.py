@@ -142,7 +142,7 @@ def test_two_engines_equal_transformers(tiny_models, default_model, arch):
     path = default_model if arch == "default" else tiny_models[arch]
     flags = ["-dp", "2", "--threads", "1", "--max-num-batched-tokens", "24",
              "--block-size", "8", "--num-kv-blocks", "256"]  # fmt: skip
-    s = Server(path, *flags)
+    s = Server(path, *flags, whole=True)
     try:
         kids = [parse(c.cmdline()) for c in s.children()]
         assert sorted((k["kind"], k.get("engine")) for k in kids) == [
@@ -170,7 +170,7 @@ def test_two_engines_equal_transformers(tiny_models, default_model, arch):
 
 def test_requests_sharing_a_prefix_land_on_the_engine_holding_it(tiny_models):
     s = Server(tiny_models["llama"], "-dp", "2", "--threads", "1", "--block-size", "8",
-               "--num-kv-blocks", "256")  # fmt: skip
+               "--num-kv-blocks", "256", whole=True)  # fmt: skip
     try:
         for seed, count in ((1, 5), (2, 5)):  # two documents, each asked about 5 times
             doc = [(seed * 31 + 13 * i) % 900 + 20 for i in range(64)]
@@ -195,7 +195,8 @@ def test_one_engine_lost_under_load_the_other_serves_on(tiny_models):
     end with an error, engine 0's finish, `/health` stays 200 (degraded)."""
     from test_disaggregation import _stream_many
 
-    s = Server(tiny_models["llama"], "-dp", "2", "--threads", "1", "--num-kv-blocks", "256")
+    s = Server(tiny_models["llama"], "-dp", "2", "--threads", "1", "--num-kv-blocks", "256",
+               whole=True)  # fmt: skip
     try:
         victim = next(
             c for c in s.children() if parse(c.cmdline()) == {

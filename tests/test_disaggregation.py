@@ -225,7 +225,7 @@ def test_prefill_then_decode_equals_transformers(tiny_models, default_model, arc
     a second wave served from the prefill engine's prefix cache; the prompts' blocks
     copied to the decode engine; every block back when all is done."""
     path = default_model if arch == "default" else tiny_models[arch]
-    s = Server(path, *PD)
+    s = Server(path, *PD, whole=True)
     try:
         roles = sorted(
             (k["kind"], k.get("role")) for k in map(parse, (c.cmdline() for c in s.children()))
@@ -267,7 +267,7 @@ def test_blocks_cross_as_zeromq_frames_as_between_hosts(tiny_models):
     """`--kv-addr`: the prefill engine serves its leased blocks over CurveZMQ tcp (as to a
     decode engine on another host), the decode engine fetches them: the same tokens."""
     path = tiny_models["qwen2"]
-    s = Server(path, *PD, "--kv-addr", f"tcp://127.0.0.1:{free_port()}")
+    s = Server(path, *PD, "--kv-addr", f"tcp://127.0.0.1:{free_port()}", whole=True)
     try:
         prompts = [[(5 * i + 13 * j) % 800 + 40 for i in range(43)] for j in range(4)]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -287,7 +287,7 @@ def test_blocks_cross_as_zeromq_frames_as_between_hosts(tiny_models):
 @pytest.mark.slow
 def test_without_a_prefix_cache_the_decode_engine_recomputes(tiny_models):
     path = tiny_models["llama"]
-    s = Server(path, *PD, "--no-prefix-caching")
+    s = Server(path, *PD, "--no-prefix-caching", whole=True)
     try:
         prompt = [(5 * i) % 700 + 30 for i in range(40)]
         want = AutoTokenizer.from_pretrained(path).decode(hf_greedy(path, prompt, 10).tokens)
@@ -301,7 +301,7 @@ def test_without_a_prefix_cache_the_decode_engine_recomputes(tiny_models):
 
 def test_with_the_prefill_engine_lost_the_decode_engine_serves_alone(tiny_models):
     path = tiny_models["llama"]
-    s = Server(path, *PD)
+    s = Server(path, *PD, whole=True)
     try:
         victim = next(c for c in s.children()
                       if parse(c.cmdline()).get("role") == "prefill"
@@ -348,7 +348,7 @@ def test_an_engine_killed_under_load_leaks_no_block_and_nothing_hangs(tiny_model
     """kill -9 of one side's worker while requests pass through both: every request ends
     (done, or with an error) within its timeout, and the surviving engine's blocks and
     leases all come back."""
-    s = Server(tiny_models["llama"], *PD)
+    s = Server(tiny_models["llama"], *PD, whole=True)
     try:
         worker = next(c for c in s.children()
                       if parse(c.cmdline()).get("role") == victim
