@@ -64,7 +64,10 @@ template <int R>
 inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&acc)[R][2],
                        bool fetch) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  // Local sums, copied out at the end: written through `acc`, which as far as the compiler
+  // knows may alias the int8 weight, they were stored and reloaded at every step.
+  __m256i a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
   for (int64_t k = 0; k < K; k += 4) {
     const int8_t* wk = w + k * kStrip;
     if (fetch) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
@@ -77,9 +80,13 @@ inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&ac
       const __m256i xa = _mm256_abs_epi8(xs);
       const __m256i p0 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs));
       const __m256i p1 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs));
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+      a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(p0, ones));
+      a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(p1, ones));
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = a0[r];
+    acc[r][1] = a1[r];
   }
 }
 
