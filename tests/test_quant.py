@@ -206,7 +206,6 @@ def test_quantize_weight_is_per_output_channel():
 def test_unsupported_settings_are_refused_at_start():
     from subway.tools.cli import main
 
-    assert unsupported_reason(EngineConfig.build(quantization="int8", device="cuda"))
     assert unsupported_reason(EngineConfig.build(quantization="int8", cpu_ext=False))
     assert "float16" in unsupported_reason(
         EngineConfig.build(quantization="int8", device="cpu", dtype="float16")
@@ -214,7 +213,7 @@ def test_unsupported_settings_are_refused_at_start():
     if quant.cpu_has_vnni() or quant.avx2_int8_built():
         assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
     with pytest.raises(SystemExit, match="CPU-only"):
-        main(["serve", "--quantization", "int8", "--device", "cuda"])
+        main(["serve", "--kv-cache-dtype", "int8", "--device", "cuda"])
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["serve", "--quantization", "int4"])
 

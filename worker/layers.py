@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from subway.kernels.dispatch import Kernels
 from subway.worker.parallel import TensorParallel
 from subway.worker.quant import Int8Linear
+from subway.worker.quant_gpu import ScaledLinear
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -99,7 +100,9 @@ class PackedLinear(nn.Module):
     small: Callable | None = None  # its few-row linear (see `linear`), set by `pack`
     small_rows: int = 1
     wide: bool = False  # `packed` is a float32 copy of the bfloat16 weight
-    int8: Int8Linear | None = None  # set by `quantize`; the float weight is then dropped
+    # Set by `quantize`, the float weight then dropped: our int8 kernels on the CPU, torch's
+    # 8-bit ops on a GPU.
+    int8: Int8Linear | ScaledLinear | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
@@ -107,9 +110,12 @@ class PackedLinear(nn.Module):
             return self.int8(x, bias)
         return linear(x, self.weight, bias, self.packed, self.small, self.small_rows, self.wide)
 
-    def quantize(self, ops: object) -> None:
-        """Replace the weight by its int8 copy (worker/quant.py), freeing the float one."""
-        self.int8 = Int8Linear(self.weight, ops)
+    def quantize(self, ops: object | None) -> None:
+        """Replace the weight by its 8-bit copy, freeing the float one: int8 on `ops`, the
+        CPU's kernels (worker/quant.py), or with None (a GPU) fp8 or int8 on torch's ops
+        (worker/quant_gpu.py)."""
+        w = self.weight
+        self.int8 = Int8Linear(w, ops) if ops is not None else ScaledLinear(w)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.unpack()
 

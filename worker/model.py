@@ -223,10 +223,11 @@ class CausalLM(nn.Module):
     lm_head_int8: Int8Linear | None = None
     fused_decode: FusedDecode | None = None  # set by pack_weights where it applies
 
-    def quantize_int8(self, ops: object, lm_head: torch.Tensor | None = None) -> None:
+    def quantize_int8(self, ops: object | None, lm_head: torch.Tensor | None = None) -> None:
         """`--quantization int8` (worker/quant.py), after loading (and smoothing,
         worker/smooth.py): every linear layer's weight, and `lm_head` (the smoothed copy
-        of the lm_head's weight) when given; the embeddings stay as they are."""
+        of the lm_head's weight) when given; the embeddings stay as they are. `ops`: the
+        CPU's int8 kernels (None on a GPU, worker/quant_gpu.py)."""
         for m in self.modules():
             if isinstance(m, PackedLinear):
                 m.quantize(ops)

@@ -1,4 +1,5 @@
-"""int8 weights and activations on the CPU (`--quantization int8`).
+"""int8 weights and activations on the CPU (`--quantization int8`; on a GPU the same flag
+takes worker/quant_gpu.py's fp8 or int8 tensor-core path).
 
 Each linear weight is quantized once, after loading and sharding (so under tensor
 parallelism each rank quantizes its own shard): symmetric, one float scale per
@@ -69,8 +70,10 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
         cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     else:
         cuda = device.type == "cuda"
-    if cuda:
-        return "--quantization and --kv-cache-dtype are CPU-only so far (use --device cpu)"
+    if cuda:  # weights in 8 bits through torch's ops (worker/quant_gpu.py); no 8-bit KV yet
+        if kv != "auto":
+            return "--kv-cache-dtype int8 is CPU-only so far (use --device cpu, or drop it)"
+        return None
     if quant == "int8":
         # The flags' own conflicts first, then what this machine lacks: the same flags get
         # the same answer on every CPU.

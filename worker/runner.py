@@ -110,10 +110,12 @@ class ModelRunner:
         reason = unsupported_reason(config, self.device)
         if reason is not None:
             raise ValueError(reason)
-        if config.model.quantization == "int8":
+        if config.model.quantization == "int8" and self.device.type == "cpu":
             tokenizer = config.model.tokenizer or self.path
             lm_head = smooth_for_int8(self.model, tokenizer, self.block_size)
             self.model.quantize_int8(int8_ops(), lm_head)
+        elif config.model.quantization == "int8":  # a GPU: the lm_head stays as it is
+            self.model.quantize_int8(None)
         if self.device.type == "cpu" and config.model.pack_weights:
             huge = config.model.huge_pages
             wide = widen_bf16(config.model.bf16_matmul)

@@ -1,0 +1,101 @@
+"""8-bit linear weights on a GPU (`--quantization int8` where the device is CUDA).
+
+The CPU path (worker/quant.py) runs our own int8 kernels; a GPU has 8-bit tensor cores
+that torch already drives, so here each linear is two of torch's ops around them:
+- `fp8` (Hopper-class GPUs, compute capability 9.0 and up): weights in float8 e4m3, one
+  scale per output channel; each call quantizes x to e4m3 with one scale per row, and
+  `torch._scaled_mm` multiplies and applies both scales (rowwise scaling).
+- `int8` (other CUDA GPUs): weights symmetric int8 per output channel (quant.py's
+  `quantize_weight`), x per row on each call, `torch._int_mm`'s exact int32 sums, then
+  the two scales.
+
+Both run on the CPU too, which is how the tests check them where no GPU is lent; the
+engine uses this class only on CUDA (`int8_linear`). The lm_head, embeddings, norms and
+attention stay in the model's dtype. Every op is capturable in a CUDA graph: nothing here
+reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subway.worker.quant import quantize_weight
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+# torch._int_mm on CUDA takes more than 16 rows: fewer are padded with zero rows to this many.
+INT_MM_MIN_ROWS = 17
+
+
+def gpu_path(device: torch.device) -> str:
+    """'fp8' where the GPU has fp8 tensor cores with rowwise scaling (sm90+), else 'int8'."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return "fp8"
+    return "int8"
+
+
+def unsupported_gpu_reason(in_features: int, out_features: int) -> str | None:
+    """Why a weight of this shape cannot take the 8-bit ops, or None: both dimensions must
+    be multiples of 16 (_scaled_mm's and _int_mm's tiles)."""
+    if in_features % 16 or out_features % 16:
+        return f"a {out_features}x{in_features} weight: 8-bit GPU matmuls need multiples of 16"
+    return None
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (e4m3 [rows, in], float32 scales [rows, 1]): each row's largest |x|
+    mapped to 448 (scale 1 for an all-zero row)."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (int8 [rows, in], float32 scales [rows, 1]): symmetric per row, as the
+    CPU kernels' quantize_rows."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=1, keepdim=True) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(xf / scales).clamp_(-127, 127).to(torch.int8), scales
+
+
+class ScaledLinear:
+    """One linear layer's 8-bit weight and the call that uses it: `__call__(x [rows, in],
+    bias) -> [rows, out]` in x's dtype. The weight is held transposed ([in, out], column
+    major), as both matmuls take their second operand; the float weight is not kept."""
+
+    def __init__(self, weight: torch.Tensor, path: str = "auto") -> None:
+        self.out_features, self.in_features = weight.shape
+        reason = unsupported_gpu_reason(self.in_features, self.out_features)
+        if reason is not None:
+            raise ValueError(reason)
+        self.path = gpu_path(weight.device) if path == "auto" else path
+        if self.path == "fp8":
+            w = weight.detach().float()
+            scales = w.abs().amax(dim=1) / FP8_MAX
+            scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+            q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        elif self.path == "int8":
+            q, scales = quantize_weight(weight)
+        else:
+            raise ValueError(f"unknown 8-bit GPU path {self.path!r}")
+        self.weight_t = q.t()  # [in, out], column major: a view of the [out, in] rows
+        self.scales = scales.view(1, -1).float()  # one per output channel
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if self.path == "fp8":
+            q, s = quantize_rows_fp8(x)
+            y = torch._scaled_mm(
+                q, self.weight_t, scale_a=s, scale_b=self.scales, out_dtype=torch.bfloat16
+            ).to(x.dtype)
+        else:
+            q, s = quantize_rows_int8(x)
+            rows = q.shape[0]
+            if rows < INT_MM_MIN_ROWS:  # on every device, so that the CPU's tests run it
+                q = torch.cat([q, q.new_zeros(INT_MM_MIN_ROWS - rows, q.shape[1])])
+            sums = torch._int_mm(q, self.weight_t)[:rows]
+            y = (sums.float() * self.scales * s).to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
