@@ -94,6 +94,7 @@ class Ctx:
     report: Report
     t_start: float
     budget_s: float
+    tok_s: dict[str, float] = field(default_factory=dict)  # output tok/s of each throughput run
 
     @property
     def dtypes(self) -> list[torch.dtype]:
@@ -805,7 +806,9 @@ def drive(engine, deadline: float) -> dict:
     return stats
 
 
-def check_throughput(ctx: Ctx, root: str) -> None:
+def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> None:
+    """Engine tokens/s on Llama-3-8B shapes, random weights. `runs`: (name, kernels, eager,
+    quantization) each; by default bfloat16 with CUDA graphs, eager, and torch's reference."""
     import subway.worker.runner as runner_mod
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
@@ -818,6 +821,8 @@ def check_throughput(ctx: Ctx, root: str) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+    if ctx.dry and any(r[3] != "none" for r in runs or []):
+        tiny_tokenizer(path)  # the CPU's int8 smooths the lm_head over tokenized text
     if ctx.dry:
         n_req, plo, phi, out_len = 6, 4, 20, 6
     else:
@@ -834,13 +839,14 @@ def check_throughput(ctx: Ctx, root: str) -> None:
         f"{out_len} output tokens each, greedy; model {cfg['num_hidden_layers']} layers, "
         f"hidden {cfg['hidden_size']}, {'float32' if ctx.dry else 'bfloat16'}"
     )
-    runs = [("triton + CUDA graphs", "auto" if not ctx.dry else "triton", False),
-            ("triton eager", "auto" if not ctx.dry else "triton", True),
-            ("torch reference eager", "torch", True)]  # fmt: skip
+    tri = "auto" if not ctx.dry else "triton"
+    runs = runs or [("triton + CUDA graphs", tri, False, "none"),
+                    ("triton eager", tri, True, "none"),
+                    ("torch reference eager", "torch", True, "none")]  # fmt: skip
     saved_loader = runner_mod.load_weights
     runner_mod.load_weights = random_weights
     try:
-        for name, kernels, eager in runs:
+        for name, kernels, eager, quantization in runs:
             if ctx.left() < 60:
                 rep.row(f"throughput {name}", "SKIP", f"{ctx.left():.0f}s of the budget left")
                 continue
@@ -849,7 +855,7 @@ def check_throughput(ctx: Ctx, root: str) -> None:
                 max_model_len=2048, max_num_seqs=256 if not ctx.dry else 4,
                 max_num_batched_tokens=2048 if not ctx.dry else 16,
                 gpu_memory_utilization=0.85, enable_prefix_caching=False,
-                kernels=kernels,
+                kernels=kernels, quantization=quantization,
                 kv_cache_memory=64 << 20, enforce_eager=eager,
             )  # fmt: skip
             t0 = time.perf_counter()
@@ -868,7 +874,7 @@ def check_throughput(ctx: Ctx, root: str) -> None:
                 f"({runner.num_blocks} blocks), graphs "
                 f"{sorted(runner.graphs.sizes) if runner.graphs is not None else None}"
             )
-            if name.startswith("triton + CUDA graphs"):
+            if name == "triton + CUDA graphs":
                 memory_row(ctx, runner, kv_bytes)
             engine.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0.0,
                             max_tokens=4, ignore_eos=True))  # fmt: skip
@@ -894,10 +900,52 @@ def check_throughput(ctx: Ctx, root: str) -> None:
             if ctx.dry:
                 detail += " (CPU dry run)"
             rep.row(f"throughput {name}", "-" if stats["finished"] else "FAIL", detail)
+            ctx.tok_s[name] = stats["out_tokens"] / el
             del engine, runner
             free(dev)
     finally:
         runner_mod.load_weights = saved_loader
+
+
+def check_quant(ctx: Ctx, root: str) -> None:
+    """`--quantization int8` on the GPU (worker/quant_gpu.py): each 8-bit path the device
+    runs against bfloat16's linear at Llama-3-8B shapes (error, time), then the engine in
+    bfloat16 and in 8 bits, side by side, and the ratio of their output tokens/s."""
+    import torch.nn.functional as F
+
+    from subway.worker.quant_gpu import ScaledLinear, gpu_path
+
+    dev, rep = ctx.device, ctx.report
+    note = " (CPU dry run: not a speed)" if ctx.dry else ""
+    paths = ["int8"] if gpu_path(dev) == "int8" else ["fp8", "int8"]
+    shapes = [(64, 128)] if ctx.dry else [(4096, 6144), (4096, 28672), (14336, 4096)]
+    rows = (1, 37) if ctx.dry else (1, 16, 256, 2048)
+    g = torch.Generator().manual_seed(3)
+    for k, n in shapes:
+        w = (torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16)
+        lins = {p: ScaledLinear(w, p) for p in paths}
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
+            ref = F.linear(x.float(), w.float())
+            t_bf16 = bench(lambda x=x, w=w: F.linear(x, w), dev)
+            parts = [f"bf16 {t_bf16:.3f} ms"]
+            for p, lin in lins.items():
+                err = rel_err(lin(x).float(), ref)
+                t = bench(lambda x=x, lin=lin: lin(x), dev)
+                parts.append(f"{p} {t:.3f} ms ({t_bf16 / t:.2f}x), err {err:.3f}")
+                ok = err < {"fp8": 0.05, "int8": 0.02}[p]  # tests/test_quant_gpu.py's bounds
+                if not ok:
+                    rep.row(f"quant {p} {m}x{k}->{n}", "FAIL", f"error {err:.3f}")
+            rep.row(f"quant linear {m}x{k}->{n}", "-", ", ".join(parts) + note)
+        del w, lins
+        free(dev)
+    tri = "auto" if not ctx.dry else "triton"
+    eager = ctx.dry  # the dry run's graphs are emulated; the runs here need none
+    check_throughput(ctx, root, [("bf16 (quant)", tri, eager, "none"),
+                                 ("int8 (quant)", tri, eager, "int8")])  # fmt: skip
+    if {"bf16 (quant)", "int8 (quant)"} <= ctx.tok_s.keys():
+        ratio = ctx.tok_s["int8 (quant)"] / ctx.tok_s["bf16 (quant)"]
+        rep.row("quant: int8 over bf16 out tok/s", "-", f"{ratio:.2f}x ({paths[0]}){note}")
 
 
 def memory_row(ctx: Ctx, runner, kv_bytes: int) -> None:
@@ -938,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sections",
         default="",
-        help="comma-separated subset of compile,kernels,timing,equality,grammar,throughput "
+        help="comma-separated subset of compile,kernels,timing,equality,grammar,throughput,quant "
         "(default: all; compile only with --dry-run, where it checks sm_90)",
     )
     p.add_argument("--arch", default="9.0", help="compile check target (major.minor)")
@@ -965,7 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     torch.manual_seed(0)
-    default = "kernels,timing,equality,grammar,throughput"
+    default = "kernels,timing,equality,grammar,throughput,quant"
     sections = set((a.sections or (("compile," + default) if a.dry_run else default)).split(","))
     arch = tuple(int(x) for x in a.arch.split("."))
     with tempfile.TemporaryDirectory(prefix="subway-gpu-check-") as root:
@@ -981,6 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
             section(report, "grammar", lambda: check_grammar(ctx, root))
         if "throughput" in sections:
             section(report, "throughput", lambda: check_throughput(ctx, root))
+        if "quant" in sections:
+            section(report, "quant", lambda: check_quant(ctx, root))
     elapsed = time.perf_counter() - ctx.t_start
     report.log(f"\nfull log: {os.path.abspath(log)}; {elapsed:.0f}s in all\n")
     report.log(report.table())
