@@ -14,8 +14,8 @@ With the references on the CPU and `cpu_ext` (the default), the compiled C++
 kernels (`cpu_ext`, `subway_kernels/csrc/`) serve decode attention, RMSNorm, rotary
 embedding with the KV-cache write, and the bfloat16 linears of one-row steps, where
 they apply; where they cannot be built,
-the references serve. Both read and write an 8-bit KV cache (`--kv-cache-dtype int8`,
-`attention.quantize_kv`); Triton does not (refused at start, `worker.quant`).
+the references serve. All three read and write an 8-bit KV cache (`--kv-cache-dtype
+int8`, `attention.quantize_kv`'s layout and rounding).
 
 The layers keep the functions they call, so a step does no lookup of the mode,
 the environment or the extension. The Triton modules are imported only when

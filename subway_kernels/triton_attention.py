@@ -19,6 +19,12 @@ chunk attends to its cached prefix and causally to itself. Softmax is online
 (flash attention), in float32. For small decode batches the keys of a sequence
 can be split over `num_splits` programs whose partial results are merged by a
 second kernel (flash decoding).
+
+An 8-bit cache (`--kv-cache-dtype int8`, the layout of `subway.kernels.attention`:
+int8 `[..., head_dim + 4]`, each slot's quantized head vector then its float32 scale)
+is read in place: the int8 tile is widened to q's dtype (exact: |q| <= 127), the
+scores are scaled by each key's scale after the dot, and the probabilities by each
+value's scale before it. `write_kv` quantizes as `quantize_kv` does.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from subway.kernels.attention import AttentionMetadata
+from subway.kernels.attention import KV_SCALE_BYTES, AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
@@ -83,6 +89,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,  # write unnormalised partials for _merge_splits_kernel
     PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" for exact float32)
+    KV_INT8: tl.constexpr,  # the caches are 8-bit: int8 vectors, each with its float32 scale
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,32 +134,36 @@ def _paged_attention_kernel(
         k_ok = kpos < kv_len
         blk = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = kpos % BLOCK_SIZE
+        k_row = k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh
         k = tl.load(
-            k_cache_ptr
-            + blk[None, :] * stride_kb
-            + off[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None],
-            mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
+            k_row[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
         )  # [HEAD_DIM_P, TILE_N]
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if KV_INT8:
+            k_scale = tl.load(
+                (k_row + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=k_ok, other=0.0
+            )
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)
+            s = s * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v_row = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
         v = tl.load(
-            v_cache_ptr
-            + blk[:, None] * stride_vb
-            + off[:, None] * stride_vs
-            + kv_head * stride_vh
-            + offs_d[None, :],
-            mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
+            v_row[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
         )  # [TILE_N, HEAD_DIM_P]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_INT8:
+            v_scale = tl.load(
+                (v_row + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=k_ok, other=0.0
+            )
+            pv = (p * v_scale[None, :]).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -258,6 +269,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    kv_int8 = k_cache.dtype == torch.int8
+    assert k_cache.shape[-1] == head_dim + (KV_SCALE_BYTES if kv_int8 else 0)
     group = num_heads // num_kv_heads
     num_seqs = md.context_lens.shape[0]
     if out is None:
@@ -319,6 +332,7 @@ def paged_attention(
         TILE_N=tile_n,
         SPLIT=num_splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_INT8=kv_int8,
         num_warps=4,
     )
     if num_splits > 1:
@@ -360,6 +374,7 @@ def _write_kv_kernel(
     HEADS_P: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,  # quantize each head vector (quantize_kv), its scale after it
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -372,10 +387,30 @@ def _write_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch
+    if KV_INT8:
+        _store_quantized(kc, k, d, mask, h < NUM_KV_HEADS, HEAD_DIM)
+        _store_quantized(vc, v, d, mask, h < NUM_KV_HEADS, HEAD_DIM)
+    else:
+        tl.store(kc + d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc + d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_quantized(row_ptr, x, d, mask, head_ok, HEAD_DIM: tl.constexpr):
+    """`x [heads, d]` as quantize_kv writes it at `row_ptr [heads, 1]` (int8): round(x /
+    scale), scale = absmax / 127, all zeros where the scale is 0; then the scale."""
+    xf = tl.where(mask, x.to(tl.float32), 0.0)
+    scale = tl.max(tl.abs(xf), 1) / 127.0  # [heads]
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    y = tl.math.div_rn(xf, safe[:, None])
+    # Round half to even, as torch.round: adding and taking away 1.5 * 2**23 leaves the
+    # float32 rounded to an integer (|y| <= 127 here, far inside its range).
+    y = (y + 12582912.0) - 12582912.0
+    y = tl.where(scale[:, None] > 0.0, tl.minimum(tl.maximum(y, -127.0), 127.0), 0.0)
+    tl.store(row_ptr + d, y.to(tl.int8), mask=mask)
+    tl.store((row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale[:, None], mask=head_ok)
 
 
 def write_kv(
@@ -385,12 +420,15 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots; a negative slot is skipped."""
+    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots (quantized into an
+    int8 cache); a negative slot is skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert v_cache.stride(-1) == 1
+    kv_int8 = k_cache.dtype == torch.int8
+    assert k_cache.shape[-1] == head_dim + (KV_SCALE_BYTES if kv_int8 else 0)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -412,5 +450,6 @@ def write_kv(
         HEADS_P=_pow2(num_kv_heads),
         HEAD_DIM_P=_pow2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
+        KV_INT8=kv_int8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -235,6 +235,66 @@ def test_write_kv(kt, dtype):
         assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
 
 
+# ------------------------------------------------------------------ 8-bit caches
+
+
+def _int8_caches(k_cache, v_cache):
+    """The float caches of a `_paged_case` as 8-bit caches (quantize_kv per slot and head),
+    their unused slots (NaN) filled with 0x7F bytes, whose scale is 3.4e38: a kernel that
+    reads one fails. Also the float caches the reference reads: the quantized ones
+    dequantized, zeros where unused."""
+    out = []
+    for cache in (k_cache, v_cache):
+        unused = cache.isnan().any(-1)
+        q8 = ref_attn.quantize_kv(torch.nan_to_num(cache.float(), nan=0.0))
+        ref = ref_attn.dequantize_kv(q8, torch.float32)
+        q8[unused] = 0x7F
+        out += [q8, ref]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "seqs,num_heads,num_kv_heads,head_dim,block_size",
+    [(MIXED, 6, 2, 16, 4), (DECODES, 8, 2, 16, 4), ([(7, 7), (40, 45), (2, 33)], 4, 1, 24, 3)],
+)
+def test_paged_attention_over_an_8_bit_cache(
+    kt, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype
+):
+    """The int8 caches read in place, against the float reference over their dequantized
+    values; split decodes too."""
+    attn, _ = kt
+    q, kc, vc, md = _paged_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, 2)
+    k8, k_ref, v8, v_ref = _int8_caches(kc, vc)
+    scale = head_dim**-0.5
+    want = ref_attn.paged_attention(q.float(), k_ref, v_ref, md, scale)
+    for splits in (None, 3) if md.all_decode else (None,):
+        out = torch.full_like(q, float("nan"))
+        attn.paged_attention(q, k8, v8, md, scale, num_splits=splits, out=out)
+        _assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_into_an_8_bit_cache_as_quantize_kv_does(kt, dtype):
+    """The same bytes as the reference's write (quantize_kv): vectors, scales, an all-zero
+    vector (scale 0), a padding slot skipped, every other byte untouched."""
+    attn, _ = kt
+    gen = torch.Generator().manual_seed(6)
+    shape = (6, 4, 3, 16 + ref_attn.KV_SCALE_BYTES)
+    slots = torch.randperm(24, generator=gen)[:7]
+    slots[3] = -1
+    kv = (torch.randn(2, 7, 8, 16, generator=gen) * 3).to(dtype)[:, :, :3]  # strided
+    kv[0, 5, 1] = 0.0  # a vector of zeros
+    k, v = kv[0], kv[1]
+    got = [torch.full(shape, 0x55, dtype=torch.int8) for _ in range(2)]
+    want = [c.clone() for c in got]
+    attn.write_kv(k, v, got[0], got[1], slots)
+    keep = slots >= 0  # the reference takes no padding
+    ref_attn.write_kv(k[keep], v[keep], want[0], want[1], slots[keep])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[0].view(-1, 3, 20)[slots[5], 1] == 0).all()  # zeros, and a scale of 0.0
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_sm90(tmp_path):
     """Triton's real compiler (ptxas ships with Triton: no GPU needed) takes every kernel.
@@ -387,7 +447,7 @@ def test_capture_sizes_and_when_graphs_apply():
 # ------------------------------------------------------------------ the engine, forced Triton
 
 
-def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool, kernels: str):
+def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool, kernels: str, **kw):
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
     from subway.llm import LLM
@@ -401,6 +461,7 @@ def _engine_greedy(path: str, prompts, max_new: int, emulate_graphs: bool, kerne
         max_num_batched_tokens=8,  # chunked prefill beside decodes
         max_num_seqs=4,
         kernels=kernels,
+        **kw,
     )
     engine = LLM(config)
     if emulate_graphs:
@@ -467,3 +528,23 @@ def test_engine_greedy_with_triton(kt, tiny_models, monkeypatch, arch, emulate_g
         f"{arch}, triton (interpreted): {engine.scheduler.stats.num_steps_total} steps in {elapsed:.1f}s"
     )
     assert near_ties == 0
+
+
+def test_engine_over_an_8_bit_cache_with_triton_as_with_the_cpu_kernels(kt, tiny_models):
+    """`--kv-cache-dtype int8` through the Triton kernels (interpreted; graph path emulated)
+    against the C++ CPU kernels: both write the same bytes (above) and attend over them in
+    float32, so greedy tokens agree but for a near-tie (each side's token in the other's
+    top 5)."""
+    torch.set_num_threads(1)
+    path = tiny_models["llama"]
+    tri, engine = _engine_greedy(path, PROMPTS, 10, True, "triton", kv_cache_dtype="int8")
+    assert engine.runner.kv_caches[0][0].dtype == torch.int8 and engine.runner.graphs.replays
+    cpu, _ = _engine_greedy(path, PROMPTS, 10, False, "auto", kv_cache_dtype="int8")
+    near_ties = 0
+    for a, b in zip(tri, cpu, strict=True):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if x != y:
+                assert x in b.top_ids[i] and y in a.top_ids[i], (i, a.token_ids, b.token_ids)
+                near_ties += 1
+                break
+    assert near_ties <= 1

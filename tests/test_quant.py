@@ -212,8 +212,8 @@ def test_unsupported_settings_are_refused_at_start():
     )
     if quant.cpu_has_vnni() or quant.avx2_int8_built():
         assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
-    with pytest.raises(SystemExit, match="CPU-only"):
-        main(["serve", "--kv-cache-dtype", "int8", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="C\+\+ CPU kernels"):
+        main(["serve", "--quantization", "int8", "--device", "cpu", "--no-cpu-ext"])
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["serve", "--quantization", "int4"])
 

@@ -95,6 +95,7 @@ class Ctx:
     t_start: float
     budget_s: float
     tok_s: dict[str, float] = field(default_factory=dict)  # output tok/s of each throughput run
+    kv_blocks: dict[str, int] = field(default_factory=dict)  # its KV pool, in blocks
 
     @property
     def dtypes(self) -> list[torch.dtype]:
@@ -448,12 +449,22 @@ def _kernel_launches(dtype: torch.dtype, full: bool) -> list[tuple]:
                 q = torch.zeros(int(ql.sum()), heads, d, dtype=dtype)
                 for splits in (1, 4) if md.all_decode else (None,):
                     ta.paged_attention(q, kc, kc, md, 0.1, num_splits=splits)
+                if md.all_decode:
+                    md_decode, q_decode = md, q
+                else:
+                    md_mixed, q_mixed = md, q
                 if md.all_decode and full:
                     md.context_lens = md.context_lens.long()  # as the CUDA graphs hold them
                     ta.paged_attention(q, kc, kc, md, 0.1, num_splits=1)
             qkv = torch.zeros(5, (heads + 2 * kvh) * d, dtype=dtype)
             k = qkv[:, heads * d : (heads + kvh) * d].view(5, kvh, d)
             ta.write_kv(k, k, kc, kc, torch.zeros(5, dtype=torch.int64))
+            # `--kv-cache-dtype int8`: the caches' int8 variants of both kernels.
+            k8 = torch.zeros(64, 16, kvh, d + 4, dtype=torch.int8)
+            ta.write_kv(k, k, k8, k8, torch.zeros(5, dtype=torch.int64))
+            for splits in (1, 4):
+                ta.paged_attention(q_decode, k8, k8, md_decode, 0.1, num_splits=splits)
+            ta.paged_attention(q_mixed, k8, k8, md_mixed, 0.1)
             qv = qkv[:, : heads * d].view(5, heads, d)
             to.apply_rope(qv, k, torch.zeros(5, dtype=torch.int64), torch.zeros(64, d, dtype=dtype))
             if full:
@@ -808,7 +819,8 @@ def drive(engine, deadline: float) -> dict:
 
 def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> None:
     """Engine tokens/s on Llama-3-8B shapes, random weights. `runs`: (name, kernels, eager,
-    quantization) each; by default bfloat16 with CUDA graphs, eager, and torch's reference."""
+    quantization, kv_cache_dtype) each; by default bfloat16 with CUDA graphs, eager, and
+    torch's reference."""
     import subway.worker.runner as runner_mod
     from subway.ipc.config import EngineConfig
     from subway.ipc.messages import SamplingParams
@@ -840,13 +852,13 @@ def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> No
         f"hidden {cfg['hidden_size']}, {'float32' if ctx.dry else 'bfloat16'}"
     )
     tri = "auto" if not ctx.dry else "triton"
-    runs = runs or [("triton + CUDA graphs", tri, False, "none"),
-                    ("triton eager", tri, True, "none"),
-                    ("torch reference eager", "torch", True, "none")]  # fmt: skip
+    runs = runs or [("triton + CUDA graphs", tri, False, "none", "auto"),
+                    ("triton eager", tri, True, "none", "auto"),
+                    ("torch reference eager", "torch", True, "none", "auto")]  # fmt: skip
     saved_loader = runner_mod.load_weights
     runner_mod.load_weights = random_weights
     try:
-        for name, kernels, eager, quantization in runs:
+        for name, kernels, eager, quantization, kv_dtype in runs:
             if ctx.left() < 60:
                 rep.row(f"throughput {name}", "SKIP", f"{ctx.left():.0f}s of the budget left")
                 continue
@@ -855,7 +867,7 @@ def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> No
                 max_model_len=2048, max_num_seqs=256 if not ctx.dry else 4,
                 max_num_batched_tokens=2048 if not ctx.dry else 16,
                 gpu_memory_utilization=0.85, enable_prefix_caching=False,
-                kernels=kernels, quantization=quantization,
+                kernels=kernels, quantization=quantization, kv_cache_dtype=kv_dtype,
                 kv_cache_memory=64 << 20, enforce_eager=eager,
             )  # fmt: skip
             t0 = time.perf_counter()
@@ -867,8 +879,11 @@ def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> No
                 runner.graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
             init_s = time.perf_counter() - t0
             layers, kv_heads, head_dim = runner._kv_shape
-            per_block = block_bytes(layers, runner.block_size, kv_heads, head_dim, runner.dtype)
+            per_block = block_bytes(
+                layers, runner.block_size, kv_heads, head_dim, runner.dtype, kv_dtype == "int8"
+            )
             kv_bytes = runner.num_blocks * per_block
+            ctx.kv_blocks[name] = runner.num_blocks
             rep.log(
                 f"  {name}: init {init_s:.1f}s, KV cache {kv_bytes / 2**30:.2f} GiB "
                 f"({runner.num_blocks} blocks), graphs "
@@ -939,13 +954,57 @@ def check_quant(ctx: Ctx, root: str) -> None:
             rep.row(f"quant linear {m}x{k}->{n}", "-", ", ".join(parts) + note)
         del w, lins
         free(dev)
+    check_kv8_kernels(ctx)
     tri = "auto" if not ctx.dry else "triton"
     eager = ctx.dry  # the dry run's graphs are emulated; the runs here need none
-    check_throughput(ctx, root, [("bf16 (quant)", tri, eager, "none"),
-                                 ("int8 (quant)", tri, eager, "int8")])  # fmt: skip
-    if {"bf16 (quant)", "int8 (quant)"} <= ctx.tok_s.keys():
-        ratio = ctx.tok_s["int8 (quant)"] / ctx.tok_s["bf16 (quant)"]
-        rep.row("quant: int8 over bf16 out tok/s", "-", f"{ratio:.2f}x ({paths[0]}){note}")
+    runs = [("bf16 (quant)", tri, eager, "none", "auto"),
+            ("int8 (quant)", tri, eager, "int8", "auto"),
+            ("int8 + kv8 (quant)", tri, eager, "int8", "int8")]  # fmt: skip
+    check_throughput(ctx, root, runs)
+    base = "bf16 (quant)"
+    for name in ("int8 (quant)", "int8 + kv8 (quant)"):
+        if {base, name} <= ctx.tok_s.keys():
+            ratio = ctx.tok_s[name] / ctx.tok_s[base]
+            blocks = ctx.kv_blocks[name] / ctx.kv_blocks[base]
+            rep.row(f"quant: {name[:-8]} over bf16", "-",
+                    f"{ratio:.2f}x out tok/s ({paths[0]}), {blocks:.2f}x KV blocks{note}")  # fmt: skip
+
+
+def check_kv8_kernels(ctx: Ctx) -> None:
+    """The Triton kernels on an 8-bit cache: write_kv's bytes against quantize_kv's, and
+    attention over the int8 blocks against the reference over their dequantized values."""
+    from subway.kernels import attention as ref_attn
+    from subway.kernels import triton_attention as tri_attn
+
+    dev, rep = ctx.device, ctx.report
+    for i, case in enumerate(attention_cases(ctx.dry)[:3]):
+        dtype = ctx.low
+        q, kc, vc, md = make_attention(case, dtype, dev, seed=7)
+        caches = []
+        for c in (kc, vc):
+            unused = c.isnan().any(-1)
+            q8 = ref_attn.quantize_kv(torch.nan_to_num(c.float(), nan=0.0))
+            caches.append((q8, ref_attn.dequantize_kv(q8, torch.float32), unused))
+        (k8, k_ref, _), (v8, v_ref, _) = caches
+        scale = case.head_dim**-0.5
+        want = ref_attn.paged_attention(q.float(), k_ref, v_ref, md, scale)
+        got = tri_attn.paged_attention(q, k8, v8, md, scale)
+        err = rel_err(got.float(), want)
+        ok = err < TOL[dtype]
+        rep.row(f"kv8 attention {case.name}", "PASS" if ok else "FAIL", f"rel err {err:.2e}")
+        if i == 0:  # the write: the same bytes as the reference's
+            t = min(64, q.shape[0])
+            k = torch.randn(t, case.kv_heads, case.head_dim, device=dev).to(dtype)
+            slots = torch.randperm(k8.shape[0] * k8.shape[1], device=dev)[:t]
+            mine, ref = k8.clone(), k8.clone()
+            tri_attn.write_kv(k, k, mine, mine.clone(), slots)
+            ref_attn.write_kv(k, k, ref, ref.clone(), slots)
+            same = torch.equal(mine, ref)
+            diff = (mine != ref).sum().item()
+            rep.row("kv8 write_kv = quantize_kv", "PASS" if same else "FAIL",
+                    f"{t} tokens, {diff} bytes differ")  # fmt: skip
+        del q, kc, vc, caches, k8, v8
+        free(dev)
 
 
 def memory_row(ctx: Ctx, runner, kv_bytes: int) -> None:

@@ -70,9 +70,7 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
         cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     else:
         cuda = device.type == "cuda"
-    if cuda:  # weights in 8 bits through torch's ops (worker/quant_gpu.py); no 8-bit KV yet
-        if kv != "auto":
-            return "--kv-cache-dtype int8 is CPU-only so far (use --device cpu, or drop it)"
+    if cuda:  # torch's 8-bit ops (worker/quant_gpu.py), the Triton kernels' 8-bit cache
         return None
     if quant == "int8":
         # The flags' own conflicts first, then what this machine lacks: the same flags get
@@ -87,10 +85,8 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
                 "built with oneDNN's quantized linear) or with AVX2: without VNNI oneDNN's int8 "
                 "matmul saturates its partial sums"
             )
-    if kv == "int8" and not config.model.cpu_ext:
+    if kv == "int8" and not config.model.cpu_ext and config.model.kernels != "triton":
         return "--kv-cache-dtype int8 needs the C++ CPU kernels (drop --no-cpu-ext)"
-    if kv == "int8" and config.model.kernels == "triton":
-        return "--kv-cache-dtype int8 has no Triton kernels (drop --kernels triton)"
     return None
 
 
