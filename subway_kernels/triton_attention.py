@@ -20,11 +20,9 @@ chunk attends to its cached prefix and causally to itself. Softmax is online
 can be split over `num_splits` programs whose partial results are merged by a
 second kernel (flash decoding).
 
-An 8-bit cache (`--kv-cache-dtype int8`, the layout of `subway.kernels.attention`:
-int8 `[..., head_dim + 4]`, each slot's quantized head vector then its float32 scale)
-is read in place: the int8 tile is widened to q's dtype (exact: |q| <= 127), the
-scores are scaled by each key's scale after the dot, and the probabilities by each
-value's scale before it. `write_kv` quantizes as `quantize_kv` does.
+An 8-bit cache (`--kv-cache-dtype int8`: `attention.quantize_kv`'s layout, written as it
+writes) is read in place, each int8 tile widened to q's dtype (exact), the key and value
+scales applied to the scores and the probabilities.
 """
 
 from __future__ import annotations
@@ -53,6 +51,12 @@ def _find_seq(query_start_loc_ptr, program: tl.int32, num_seqs: tl.int32, BLOCK_
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _load_scales(row_ptr, HEAD_DIM: tl.constexpr, ok):
+    """The float32 scale after each int8 vector of an 8-bit cache (0 where not `ok`)."""
+    return tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
 
 
 @triton.jit
@@ -138,12 +142,9 @@ def _paged_attention_kernel(
         k = tl.load(
             k_row[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
         )  # [HEAD_DIM_P, TILE_N]
-        if KV_INT8:
-            k_scale = tl.load(
-                (k_row + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=k_ok, other=0.0
-            )
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)
-            s = s * (k_scale * scale_log2)[None, :]
+        if KV_INT8:  # each key's scale on its scores
+            k_scale = _load_scales(k_row, HEAD_DIM, k_ok) * scale_log2
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * k_scale[None, :]
         else:
             s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -156,11 +157,8 @@ def _paged_attention_kernel(
         v = tl.load(
             v_row[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
         )  # [TILE_N, HEAD_DIM_P]
-        if KV_INT8:
-            v_scale = tl.load(
-                (v_row + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=k_ok, other=0.0
-            )
-            pv = (p * v_scale[None, :]).to(q.dtype)
+        if KV_INT8:  # each value's scale on its probabilities
+            pv = (p * _load_scales(v_row, HEAD_DIM, k_ok)[None, :]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -270,7 +268,7 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     kv_int8 = k_cache.dtype == torch.int8
-    assert k_cache.shape[-1] == head_dim + (KV_SCALE_BYTES if kv_int8 else 0)
+    assert k_cache.shape[-1] == head_dim + KV_SCALE_BYTES * kv_int8
     group = num_heads // num_kv_heads
     num_seqs = md.context_lens.shape[0]
     if out is None:
@@ -399,14 +397,12 @@ def _write_kv_kernel(
 
 @triton.jit
 def _store_quantized(row_ptr, x, d, mask, head_ok, HEAD_DIM: tl.constexpr):
-    """`x [heads, d]` as quantize_kv writes it at `row_ptr [heads, 1]` (int8): round(x /
-    scale), scale = absmax / 127, all zeros where the scale is 0; then the scale."""
+    """`x [heads, d]` into the int8 rows at `row_ptr [heads, 1]` as quantize_kv writes."""
     xf = tl.where(mask, x.to(tl.float32), 0.0)
-    scale = tl.max(tl.abs(xf), 1) / 127.0  # [heads]
-    safe = tl.where(scale > 0.0, scale, 1.0)
-    y = tl.math.div_rn(xf, safe[:, None])
-    # Round half to even, as torch.round: adding and taking away 1.5 * 2**23 leaves the
-    # float32 rounded to an integer (|y| <= 127 here, far inside its range).
+    # Divisions rounded to nearest (div_rn: the GPU's `/` is not), then half to even (as
+    # torch.round: adding and taking away 1.5 * 2**23 rounds a float32 below 2**22).
+    scale = tl.math.div_rn(tl.max(tl.abs(xf), 1), 127.0)  # [heads]
+    y = tl.math.div_rn(xf, tl.where(scale > 0.0, scale, 1.0)[:, None])
     y = (y + 12582912.0) - 12582912.0
     y = tl.where(scale[:, None] > 0.0, tl.minimum(tl.maximum(y, -127.0), 127.0), 0.0)
     tl.store(row_ptr + d, y.to(tl.int8), mask=mask)
@@ -420,15 +416,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store `k, v [num_tokens, num_kv_heads, head_dim]` at their slots (quantized into an
-    int8 cache); a negative slot is skipped."""
+    """Store `k, v [tokens, kv_heads, head_dim]` at their slots (quantized into an int8
+    cache); a negative slot is skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert v_cache.stride(-1) == 1
+    assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     kv_int8 = k_cache.dtype == torch.int8
-    assert k_cache.shape[-1] == head_dim + (KV_SCALE_BYTES if kv_int8 else 0)
+    assert k_cache.shape[-1] == head_dim + KV_SCALE_BYTES * kv_int8
     _write_kv_kernel[(num_tokens,)](
         k,
         v,

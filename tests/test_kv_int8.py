@@ -316,7 +316,8 @@ def test_int8_kv_is_refused_where_no_kernel_reads_it():
                                   torch.device("cpu"))  # fmt: skip
 
     assert reason() is None
-    assert "--no-cpu-ext" in reason(cpu_ext=False)
-    assert "Triton" in reason(kernels="triton")
-    cuda = unsupported_reason(EngineConfig.build(kv_cache_dtype="int8"), torch.device("cuda"))
-    assert "CPU-only" in cuda
+    assert "--no-cpu-ext" in reason(cpu_ext=False)  # the references would serve
+    # The Triton kernels read and write it (tests/test_kernels_triton.py), on any device.
+    assert reason(kernels="triton") is None and reason(kernels="triton", cpu_ext=False) is None
+    cuda = EngineConfig.build(kv_cache_dtype="int8", cpu_ext=False)
+    assert unsupported_reason(cuda, torch.device("cuda")) is None

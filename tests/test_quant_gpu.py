@@ -66,14 +66,10 @@ def test_shapes_the_8_bit_matmuls_cannot_take_are_refused():
     assert gpu_path(torch.device("cpu")) == "int8"
 
 
-def test_on_cuda_8_bit_weights_and_cache_are_allowed_without_the_cpu_kernels():
-    for kw in ({"quantization": "int8"}, {"kv_cache_dtype": "int8"}):
-        assert unsupported_reason(EngineConfig.build(device="cuda", cpu_ext=False, **kw)) is None
-    # Triton's kernels read and write the 8-bit cache on any device; the references need
-    # the C++ kernels for it.
-    assert unsupported_reason(EngineConfig.build(kv_cache_dtype="int8", kernels="triton")) is None
-    reason = unsupported_reason(EngineConfig.build(kv_cache_dtype="int8", cpu_ext=False))
-    assert reason is not None and "C++ CPU kernels" in reason
+def test_on_cuda_8_bit_weights_are_allowed_without_the_cpu_kernels():
+    """(The 8-bit cache's rules: tests/test_kv_int8.py.)"""
+    config = EngineConfig.build(device="cuda", cpu_ext=False, quantization="int8")
+    assert unsupported_reason(config) is None
 
 
 def test_without_the_cpu_kernels_a_linear_is_quantized_through_torchs_ops():
