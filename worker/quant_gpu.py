@@ -51,15 +51,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (int8 [rows, in], float32 scales [rows, 1]): symmetric per row, as the
-    CPU kernels' quantize_rows."""
-    xf = x.float()
-    scales = xf.abs().amax(dim=1, keepdim=True) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(xf / scales).clamp_(-127, 127).to(torch.int8), scales
-
-
 class ScaledLinear:
     """One linear layer's 8-bit weight and the call that uses it: `__call__(x [rows, in],
     bias) -> [rows, out]` in x's dtype. The weight is held transposed ([in, out], column
@@ -71,15 +62,11 @@ class ScaledLinear:
         if reason is not None:
             raise ValueError(reason)
         self.path = gpu_path(weight.device) if path == "auto" else path
-        if self.path == "fp8":
-            w = weight.detach().float()
-            scales = w.abs().amax(dim=1) / FP8_MAX
-            scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-            q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-        elif self.path == "int8":
-            q, scales = quantize_weight(weight)
-        else:
+        if self.path not in ("fp8", "int8"):
             raise ValueError(f"unknown 8-bit GPU path {self.path!r}")
+        # Per output channel, as each call quantizes x per row.
+        quantize = quantize_rows_fp8 if self.path == "fp8" else quantize_weight
+        q, scales = quantize(weight.detach())
         self.weight_t = q.t()  # [in, out], column major: a view of the [out, in] rows
         self.scales = scales.view(1, -1).float()  # one per output channel
 
@@ -92,7 +79,8 @@ class ScaledLinear:
                 q, self.weight_t, scale_a=s, scale_b=self.scales, out_dtype=torch.bfloat16
             ).to(x.dtype)
         else:
-            q, s = quantize_rows_int8(x)
+            q, s = quantize_weight(x)  # symmetric int8 per row, as the weight's channels
+            s = s[:, None]
             rows = q.shape[0]
             if rows < INT_MM_MIN_ROWS:  # on every device, so that the CPU's tests run it
                 q = torch.cat([q, q.new_zeros(INT_MM_MIN_ROWS - rows, q.shape[1])])
