@@ -81,7 +81,7 @@ def test_without_the_cpu_kernels_a_linear_is_quantized_through_torchs_ops():
     assert lin.weight.numel() == 0  # the float weight is dropped
 
 
-# Measured over TEXTS' prompts, 40 tokens each: fp8 0.960, int8 0.950 (the lm_head unquantized).
+# Measured over TEXTS' prompts, 24 tokens each: fp8 0.942, int8 0.933 (the lm_head unquantized).
 GPU_AGREEMENT = 0.85
 
 
@@ -100,7 +100,7 @@ def test_default_model_through_the_gpu_linears_agrees_with_bfloat16(default_mode
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(default_model)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     q8 = LLM(
         path=default_model, dtype="bfloat16", max_num_batched_tokens=16, num_kv_blocks=24,
         block_size=4, pack_weights=False,
@@ -112,7 +112,7 @@ def test_default_model_through_the_gpu_linears_agrees_with_bfloat16(default_mode
         m.int8 = ScaledLinear(m.weight, path)
     outs = [o.token_ids for o in q8.generate(prompts, sp)]
     assert q8.scheduler.engine_stats().num_preempted_total > 0
-    assert all(len(o) == 40 for o in outs)
+    assert all(len(o) == 24 for o in outs)
     rate = _agreement(scorer, prompts, outs)
     print(f"{path}: agreement {rate:.3f}")
     assert rate >= GPU_AGREEMENT
