@@ -10,7 +10,8 @@ that torch already drives, so here each linear is two of torch's ops around them
   the two scales.
 
 Both run on the CPU too, which is how the tests check them where no GPU is lent; the
-engine uses this class only on CUDA (`int8_linear`). The lm_head, embeddings, norms and
+engine uses this class only on CUDA (the runner's `quantize_int8(None)`, which
+`PackedLinear.quantize` takes as "no CPU kernels"). The lm_head, embeddings, norms and
 attention stay in the model's dtype. Every op is capturable in a CUDA graph: nothing here
 reads a value back to the host.
 """
