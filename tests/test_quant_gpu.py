@@ -66,10 +66,29 @@ def test_shapes_the_8_bit_matmuls_cannot_take_are_refused():
     assert gpu_path(torch.device("cpu")) == "int8"
 
 
-def test_on_cuda_8_bit_weights_are_allowed_without_the_cpu_kernels():
-    """(The 8-bit cache's rules: tests/test_kv_int8.py.)"""
-    config = EngineConfig.build(device="cuda", cpu_ext=False, quantization="int8")
-    assert unsupported_reason(config) is None
+def test_on_cuda_8_bit_weights_are_allowed_where_every_linear_fits(tmp_path, default_model):
+    """Without the CPU kernels; a model with a linear of an odd size is refused at start,
+    by its config alone. (The 8-bit cache's rules: tests/test_kv_int8.py.)"""
+    import json
+    import shutil
+
+    def reason(path: str, tp: int = 1) -> str | None:
+        config = EngineConfig.build(
+            path=path, device="cuda", cpu_ext=False, quantization="int8", tensor_parallel_size=tp
+        )
+        return unsupported_reason(config)
+
+    assert reason(default_model) is None  # hidden 576, intermediate 1536, 9 heads of 64
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    shutil.copy(f"{default_model}/config.json", odd / "config.json")
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 1544}))
+    assert "multiples of 16" in reason(str(odd))
+    # Whole, 1552 fits; split over two ranks, 776 a rank does not.
+    (odd / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 1552}))
+    assert reason(str(odd)) is None
+    assert "tensor parallel 2" in reason(str(odd), tp=2)
 
 
 def test_without_the_cpu_kernels_a_linear_is_quantized_through_torchs_ops():

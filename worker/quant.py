@@ -71,7 +71,11 @@ def unsupported_reason(config: EngineConfig, device: torch.device | None = None)
     else:
         cuda = device.type == "cuda"
     if cuda:  # torch's 8-bit ops (worker/quant_gpu.py), the Triton kernels' 8-bit cache
-        return None
+        if quant != "int8":
+            return None
+        from subway.worker.quant_gpu import unsupported_model_reason
+
+        return unsupported_model_reason(config.model.path, config.parallel.tensor_parallel_size)
     if quant == "int8":
         # The flags' own conflicts first, then what this machine lacks: the same flags get
         # the same answer on every CPU.

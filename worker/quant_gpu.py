@@ -43,6 +43,27 @@ def unsupported_gpu_reason(in_features: int, out_features: int) -> str | None:
     return None
 
 
+def unsupported_model_reason(path: str, tp: int) -> str | None:
+    """Why the model at `path`, split over `tp` ranks, has a linear the 8-bit GPU ops cannot
+    take, or None (also where its config cannot be read: loading will say why)."""
+    from subway.worker.model_arch import load_model_arch
+
+    try:
+        a = load_model_arch(path)
+    except (OSError, ValueError):
+        return None
+    kv_heads = max(1, a.num_kv_heads // tp)  # replicated where there are fewer than ranks
+    qkv = (a.num_heads // tp + 2 * kv_heads) * a.head_dim
+    shapes = ((a.hidden_size, qkv), (a.num_heads // tp * a.head_dim, a.hidden_size),
+              (a.hidden_size, 2 * a.intermediate_size // tp),
+              (a.intermediate_size // tp, a.hidden_size))  # fmt: skip
+    for k, n in shapes:
+        reason = unsupported_gpu_reason(k, n)
+        if reason is not None:
+            return f"--quantization int8 on a GPU: {reason} (tensor parallel {tp})"
+    return None
+
+
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, in] -> (e4m3 [rows, in], float32 scales [rows, 1]): each row's largest |x|
     mapped to 448 (scale 1 for an all-zero row)."""
