@@ -75,8 +75,8 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ScaledLinear:
     """One linear layer's 8-bit weight and the call that uses it: `__call__(x [rows, in],
-    bias) -> [rows, out]` in x's dtype. The weight is held transposed ([in, out], column
-    major), as both matmuls take their second operand; the float weight is not kept."""
+    bias) -> [rows, out]` in x's dtype. The weight is held transposed ([in, out]), as both
+    matmuls take their second operand; the float weight is not kept."""
 
     def __init__(self, weight: torch.Tensor, path: str = "auto") -> None:
         self.out_features, self.in_features = weight.shape
@@ -89,7 +89,10 @@ class ScaledLinear:
         # Per output channel, as each call quantizes x per row.
         quantize = quantize_rows_fp8 if self.path == "fp8" else quantize_weight
         q, scales = quantize(weight.detach())
-        self.weight_t = q.t()  # [in, out], column major: a view of the [out, in] rows
+        # [in, out]: for _scaled_mm column major (a view of the [out, in] rows), as it
+        # requires; for _int_mm row major, as cuBLAS's int8 path has given wrong sums for a
+        # transposed view (torchao's safe_int_mm makes it contiguous for that reason).
+        self.weight_t = q.t() if self.path == "fp8" else q.t().contiguous()
         self.scales = scales.view(1, -1).float()  # one per output channel
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
