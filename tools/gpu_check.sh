@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check: Triton kernels against their references (error, time), greedy
-# equality with transformers, engine throughput on Llama-3-8B shapes. See tools/gpu_check.py.
+# equality with transformers, engine throughput on Llama-3-8B shapes, and the 8-bit paths
+# (`--sections quant`: --quantization int8 and --kv-cache-dtype int8). See tools/gpu_check.py.
 #
 #   tools/gpu_check.sh             on a machine with a CUDA GPU (under 8 minutes)
 #   tools/gpu_check.sh --dry-run   on the CPU: tiny sizes, Triton interpreted, no CUDA parts
