@@ -928,7 +928,7 @@ def check_quant(ctx: Ctx, root: str) -> None:
     bfloat16 and in 8 bits, side by side, and the ratio of their output tokens/s."""
     import torch.nn.functional as F
 
-    from subway.worker.quant_gpu import ScaledLinear, gpu_path
+    from subway.worker.quant_gpu import ERROR_BOUND, ScaledLinear, gpu_path
 
     dev, rep = ctx.device, ctx.report
     note = " (CPU dry run: not a speed)" if ctx.dry else ""
@@ -948,8 +948,7 @@ def check_quant(ctx: Ctx, root: str) -> None:
                 err = rel_err(lin(x).float(), ref)
                 t = bench(lambda x=x, lin=lin: lin(x), dev)
                 parts.append(f"{p} {t:.3f} ms ({t_bf16 / t:.2f}x), err {err:.3f}")
-                ok = err < {"fp8": 0.05, "int8": 0.02}[p]  # tests/test_quant_gpu.py's bounds
-                if not ok:
+                if err >= ERROR_BOUND[p]:
                     rep.row(f"quant {p} {m}x{k}->{n}", "FAIL", f"error {err:.3f}")
             rep.row(f"quant linear {m}x{k}->{n}", "-", ", ".join(parts) + note)
         del w, lins
