@@ -3,16 +3,16 @@
 //
 // Without VNNI, oneDNN's int8 matmul multiplies unsigned by signed bytes (vpmaddubsw) and
 // its pairs of products saturate at 16 bits. Here the pairs cannot: both operands are
-// symmetric int8 in [-127, 127] (quantize_weight, quantize_rows), and the signed x is split
-// into |x| (unsigned) and its sign, which vpsignb moves onto the weight byte. Each pair is
+// symmetric int8 in [-127, 127] (quantize_weight, quantize_rows), and the weight is split
+// into |w| (unsigned) and its sign, which vpsignb moves onto the x byte. Each pair is
 // then at most 2 * 127 * 127 = 32258 < 32767, and vpmaddwd widens the pairs to int32 exactly.
 // So every sum is the exact int32 dot product, as on AMX or VNNI; the scales are applied as
 // amx_int8_cpu.cpp applies them (float(sum) * w_scale, then * x_scale + bias, rounded once),
 // so the outputs are the same bits as the AMX kernel's.
 //
 // The weight is packed once at load (avx2_int8_pack): strips of 16 outputs; in each, for
-// every 4 inputs, the 16 outputs' 4 bytes (64 bytes, two registers). A block of up to 4
-// rows of x keeps 8 int32 accumulators; each 4 bytes of a row are broadcast. The threads
+// every 4 inputs, the 16 outputs' 4 bytes (64 bytes, two registers). A block of up to 3
+// rows of x keeps 6 int32 accumulators; each 4 bytes of a row are broadcast. The threads
 // split the strips; each strip is read from memory once, for its first block of rows, and
 // from L1 for the rest (a strip is 16 * K bytes: 9 KB at K = 576, 24 KB at 1536).
 #include <ATen/ATen.h>
@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kStrip = 16;          // outputs per strip
 constexpr int64_t kRowBlock = 64;       // rows of x held while a thread's strips go by
+constexpr int64_t kRows = 3;            // rows of x a strip's sums are kept for at once
 // The first block's strip, this far ahead. 0 to 16 KB measured level within this VM's noise
 // (ad-hoc builds, 16 and 64 rows); the next strip fetched during the second block was no
 // better either.
@@ -60,6 +61,9 @@ inline void store8(at::BFloat16* y, __m256 v) {
 }
 
 // The exact int32 sums of R rows of x against one strip: acc[r][h] holds outputs h*8..h*8+7.
+// Each product is |w| * (x with w's sign): the weight's |w| is taken once per 4 inputs for
+// all R rows, where |x| would be taken once per row (one row keeps |x| * (w with x's sign)).
+// With 3 rows the sums, the weight and its |w| fit the 16 registers (4 spilled two sums).
 template <int R>
 inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&acc)[R][2],
                        bool fetch) {
@@ -73,13 +77,25 @@ inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&ac
     if (fetch) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wk));
     const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wk + 32));
-    for (int r = 0; r < R; ++r) {
+    if constexpr (R == 1) {  // one row: its |x| is one op where |w| is two
       int32_t quad;
-      std::memcpy(&quad, x + r * K + k, 4);
+      std::memcpy(&quad, x + k, 4);
       const __m256i xs = _mm256_set1_epi32(quad);
       const __m256i xa = _mm256_abs_epi8(xs);
       const __m256i p0 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs));
       const __m256i p1 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs));
+      a0[0] = _mm256_add_epi32(a0[0], _mm256_madd_epi16(p0, ones));
+      a1[0] = _mm256_add_epi32(a1[0], _mm256_madd_epi16(p1, ones));
+      continue;
+    }
+    const __m256i u0 = _mm256_abs_epi8(w0);
+    const __m256i u1 = _mm256_abs_epi8(w1);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, x + r * K + k, 4);
+      const __m256i xs = _mm256_set1_epi32(quad);
+      const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(xs, w0));
+      const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(xs, w1));
       a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(p0, ones));
       a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(p1, ones));
     }
@@ -137,13 +153,12 @@ void run(const int8_t* xq, const float* xs, const int8_t* wp, const float* ws, c
       for (int64_t s = s0; s < s1; ++s) {
         const int8_t* w = wp + s * kStrip * K;
         const int64_t n0 = s * kStrip;
-        for (int64_t m = mb; m < me; m += 4) {
+        for (int64_t m = mb; m < me; m += kRows) {
           const bool fetch = m == 0;
-          switch (std::min<int64_t>(4, me - m)) {
+          switch (std::min<int64_t>(kRows, me - m)) {
             case 1: block<1>(xq, w, ws, xs, b, y, K, N, n0, m, fetch); break;
             case 2: block<2>(xq, w, ws, xs, b, y, K, N, n0, m, fetch); break;
-            case 3: block<3>(xq, w, ws, xs, b, y, K, N, n0, m, fetch); break;
-            default: block<4>(xq, w, ws, xs, b, y, K, N, n0, m, fetch); break;
+            default: block<3>(xq, w, ws, xs, b, y, K, N, n0, m, fetch); break;
           }
         }
       }
