@@ -62,8 +62,8 @@ inline void store8(at::BFloat16* y, __m256 v) {
 
 // The exact int32 sums of R rows of x against one strip: acc[r][h] holds outputs h*8..h*8+7.
 // Each product is |w| * (x with w's sign): the weight's |w| is taken once per 4 inputs for
-// all R rows, where |x| would be taken once per row (one row keeps |x| * (w with x's sign)).
-// With 3 rows the sums, the weight and its |w| fit the 16 registers (4 spilled two sums).
+// all R rows, where |x| would be taken once per row. With 3 rows the sums, the weight and
+// its |w| fit the 16 registers (4 spilled two sums).
 template <int R>
 inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&acc)[R][2],
                        bool fetch) {
@@ -77,17 +77,6 @@ inline void strip_sums(const int8_t* x, int64_t K, const int8_t* w, __m256i (&ac
     if (fetch) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wk));
     const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wk + 32));
-    if constexpr (R == 1) {  // one row: its |x| is one op where |w| is two
-      int32_t quad;
-      std::memcpy(&quad, x + k, 4);
-      const __m256i xs = _mm256_set1_epi32(quad);
-      const __m256i xa = _mm256_abs_epi8(xs);
-      const __m256i p0 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs));
-      const __m256i p1 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs));
-      a0[0] = _mm256_add_epi32(a0[0], _mm256_madd_epi16(p0, ones));
-      a1[0] = _mm256_add_epi32(a1[0], _mm256_madd_epi16(p1, ones));
-      continue;
-    }
     const __m256i u0 = _mm256_abs_epi8(w0);
     const __m256i u1 = _mm256_abs_epi8(w1);
     for (int r = 0; r < R; ++r) {
