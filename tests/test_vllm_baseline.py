@@ -163,3 +163,6 @@ def test_read_floor_reads_as_many_bytes_as_the_model_has(tiny_models) -> None:
     out = read_floor.measure(1 << 20, torch.bfloat16, threads=1, rounds=3)
     assert out["bytes"] == 2 << 20 and out["ms"] > 0
     assert out["gbps"] == pytest.approx(out["bytes"] / out["ms"] / 1e6)
+    # Read as bfloat16 and as float32 (the same bytes); the floor is the faster read.
+    assert set(out["ms_by_view"]) == {"bfloat16", "float32"}
+    assert out["ms"] == min(out["ms_by_view"].values())
