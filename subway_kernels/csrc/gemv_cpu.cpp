@@ -137,8 +137,9 @@ static inline __m256i load16(const uint16_t* p) {
 // 16 weights, two to each 32-bit lane: a shift left by 16 makes the even ones float32,
 // masking the low half off the odd ones, so x comes widened in that order (prepare_x). Two
 // ops widen 16 weights, where the stripe kernel's shuffle and shift per 8 take four.
-// Over SmolLM2's 120 layer weights and its lm_head this took 0.75x the stripe kernel's time
-// (docs/BENCHMARKS.md, "A third AVX2 EPYC").
+// Over SmolLM2's 120 layer weights and its lm_head this took 0.93x the stripe kernel's time
+// (11.81 against 12.76 ms; a plain read of the same bytes, 10.08: docs/BENCHMARKS.md, "A
+// third AVX2 EPYC").
 static void one_row(const float* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
                     int64_t K, int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
