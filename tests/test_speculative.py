@@ -280,6 +280,32 @@ def test_greedy_output_equals_transformers(tiny_models, arch, flat):
         assert s.num_preempted_total > 0
 
 
+def _avx2_stripes() -> bool:
+    from subway.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    return ext is not None and ext.small_linear_supported() and ext.small_linear_rows() == 16
+
+
+@pytest.mark.skipif(not _avx2_stripes(), reason="AVX2's stripe kernel (up to 16 rows) only")
+def test_bfloat16_greedy_is_the_same_bits_with_drafts_on_avx2(tiny_models):
+    """On AVX2 a bfloat16 linear of up to 16 rows sums each row in one order whatever the
+    row count, so one request's verification rows (up to 5 here) give the bits its one-token
+    steps give: greedy output is identical with and without drafts even in bfloat16, where
+    the tiny model's flat logits tie often. (Elsewhere a 5-row step may take another
+    kernel, and bfloat16 ties may then part.)"""
+    torch.set_num_threads(2)
+    path = tiny_models["llama"]
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    outs = []
+    for cfg in ("", NGRAM):
+        eng = LLM(path=path, dtype="bfloat16", speculative_config=cfg)
+        outs.append([eng.generate([p], sp)[0].token_ids for p in _prompts(eng.runner.vocab_size)])
+        if cfg:
+            assert eng.scheduler.engine_stats().spec_accepted_tokens_total > 0
+    assert outs[0] == outs[1]
+
+
 def test_seeded_samples_equal_one_token_at_a_time(tiny_models):
     """Seeded noise is a function of (seed, position): with the draft verified by sampling
     every row, the tokens kept are the tokens decoding one at a time draws."""

@@ -53,9 +53,7 @@ static inline float bf16_to_float(uint16_t h) {
 // past four it is bound by the dot products (8 rows: 26 ms), where AMX takes over.
 static constexpr int64_t kRowsUsed = 4;
 using XRow = uint16_t;  // x stays bfloat16: dpbf16 takes it as it is
-static const XRow* prepare_x(const uint16_t* xh, int64_t, std::vector<float>&, bool) {
-  return xh;
-}
+static const XRow* prepare_x(const uint16_t* xh, int64_t, std::vector<float>&) { return xh; }
 
 // One stripe of `rows` (<= kStripe) weight rows from n, times the G (<= 4) rows of x at
 // `x`; outputs to y (rows of N). `fetch`: this pass is the stripe's first, which streams it
@@ -90,86 +88,24 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 (no bfloat16 arithmetic, as on AMD before Zen 4): the rows of x widened to float32
-// once per call, the weights widened in registers, float32 FMAs. With its prefetch the
-// stripe kernel read SmolLM2's weights at 21 GB/s at one row, against 24 for a plain sum
+// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. With
+// its prefetch it reads SmolLM2's weights at 21 GB/s at one row, against 24 for a plain sum
 // (2-core AVX2 EPYC; 17 GB/s without the prefetch); at 2 to 4 rows oneDNN's call takes
-// 1.5-2x as long, since it widens the whole weight for each. One row of x takes `one_row`
-// instead. Same rounding as the AVX512-BF16 path: each output is the float32 sum rounded
-// once.
+// 1.5-2x as long, since it widens the whole weight for each. Same plan and rounding as the
+// AVX512-BF16 path.
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
 // Up to 16 rows: oneDNN widens bfloat16 on every call here, and its float32 matmul on the
 // packed float32 copy (`--bf16-matmul auto`) reads twice the bytes. Over SmolLM2's 120
-// layer weights (an ad-hoc loop, 2-core AVX2 EPYC) the stripe kernel was 2.1x faster than
-// that at 4 rows, 1.34x at 8, 1.13x at 12, 1.07x at 16, and slower from 24 (0.83x): it
-// widens each weight chunk again for every group of four rows, while oneDNN's cost grows
-// more slowly.
+// layer weights (an ad-hoc loop, 2-core AVX2 EPYC) this kernel was 2.1x faster than that at
+// 4 rows, 1.34x at 8, 1.13x at 12, 1.07x at 16, and slower from 24 (0.83x): it widens each
+// weight chunk again for every group of four rows, while oneDNN's cost grows more slowly.
 static constexpr int64_t kRowsUsed = 16;
 using XRow = float;  // the rows of x widened once per call
-// One row of x (for one_row) goes in even-then-odd order; more rows as they are.
-static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& buf,
-                             bool even_odd) {
+static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& buf) {
   buf.resize(n);
-  if (!even_odd) {
-    for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(xh[i]);
-    return buf.data();
-  }
-  for (int64_t q = 0; q < n; q += 16)  // n is K, a multiple of 32
-    for (int64_t i = 0; i < 8; ++i) {
-      buf[q + i] = bf16_to_float(xh[q + 2 * i]);
-      buf[q + 8 + i] = bf16_to_float(xh[q + 2 * i + 1]);
-    }
+  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(xh[i]);
   return buf.data();
-}
-
-// 16 weights at p as float32: their even ones, then their odd ones.
-static inline __m256 even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-static inline __m256 odd8(__m256i w) {
-  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-static inline __m256i load16(const uint16_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// One row of x (batch-1 decode, the lm_head of one sequence): each weight row streams front
-// to back, one after the other, so each thread reads one sequential run of memory, with
-// eight float32 sums in flight (two FMAs a cycle at four cycles each). A 32-byte load holds
-// 16 weights, two to each 32-bit lane: a shift left by 16 makes the even ones float32,
-// masking the low half off the odd ones, so x comes widened in that order (prepare_x). Two
-// ops widen 16 weights, where the stripe kernel's shuffle and shift per 8 take four.
-// Over SmolLM2's 120 layer weights and its lm_head this took 0.93x the stripe kernel's time
-// (11.81 against 12.76 ms; a plain read of the same bytes, 10.08: docs/BENCHMARKS.md, "A
-// third AVX2 EPYC").
-static void one_row(const float* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
-                    int64_t K, int64_t N) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* r = w + n * K;
-      __m256 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-      int64_t c = 0;
-      for (; c + 64 <= K; c += 64) {
-        if (kPrefetchBytes > 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(r + c) + kPrefetchBytes, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(r + c) + kPrefetchBytes + 64, _MM_HINT_T0);
-        }
-        for (int h = 0; h < 4; ++h) {
-          const __m256i wv = load16(r + c + 16 * h);
-          a[2 * h] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 16 * h), even8(wv), a[2 * h]);
-          a[2 * h + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 16 * h + 8), odd8(wv), a[2 * h + 1]);
-        }
-      }
-      for (; c < K; c += 16) {  // K % 64 == 32: the last 32
-        const __m256i wv = load16(r + c);
-        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c), even8(wv), a[0]);
-        a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + c + 8), odd8(wv), a[1]);
-      }
-      for (int i = 0; i < 4; ++i) a[i] = _mm256_add_ps(a[i], a[i + 4]);
-      float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-      if (b != nullptr) s += bf16_to_float(b[n]);
-      y[n] = to_bf16(s);
-    }
-  });
 }
 
 // widen_bf16_8 and hsum8 are vec_math.h's.
@@ -249,15 +185,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   auto y = torch::empty({M, N}, x.options());
   std::vector<float> xbuf;
   const XRow* xp =
-      prepare_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xbuf, M == 1);
+      prepare_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xbuf);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-#if !defined(__AVX512BF16__)
-  if (M == 1) {
-    one_row(xp, wp, bp, yp, K, N);
-    return y;
-  }
-#endif
   int64_t first = 0;  // the first weight row left to the stripe kernel
   if (M >= kAmxFromRows && amx_linear_supported()) {
     amx_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), wp, bp, yp, M, K, N);
