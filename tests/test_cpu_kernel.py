@@ -374,7 +374,7 @@ def test_small_linear_gives_a_row_the_same_bits_in_any_batch_the_stripes_take():
     stripe kernel takes (1 to 4 on AVX512-BF16; 1 to 16 on AVX2, whose `small_linear_rows`
     is 16): so a sequence's bfloat16 linears give the same bits alone, in a small batch, or
     as a speculative step's verification rows. A one-row loop that summed in another order
-    was 1.08x faster and made 3 of 8 bfloat16 greedy outputs part from speculative
+    was 1.08-1.18x faster and made 3 of 8 bfloat16 greedy outputs part from speculative
     decoding's (`bench_spec --equality`), so it was dropped."""
     # Another order of sums moves a float32 sum by a few of its ulps, which a bfloat16
     # rounding hides but for about 1 output in 10,000: so many outputs (the one-row loop's

@@ -39,7 +39,7 @@ def measure(elements: int, dtype: torch.dtype, threads: int, rounds: int) -> dic
     """The median of `rounds` reads of elements x dtype's bytes, taken two ways, alternating:
     `torch.sum` over them as `dtype` and as float32. The floor is the faster. Where the CPU
     has no bfloat16 arithmetic (AVX2), a bfloat16 sum is bound by widening the values, not by
-    the memory: on a 2-core AVX2 EPYC it took 1.3-1.5x as long as reading the same bytes as
+    the memory: on a 2-core AVX2 EPYC it took 1.1-1.5x as long as reading the same bytes as
     float32, so the floor it gave was that much too high."""
     torch.set_num_threads(threads)
     nbytes = elements * torch.tensor([], dtype=dtype).element_size()
