@@ -122,11 +122,14 @@ class EngineClient:
         requests with tokens leave free: a burst that the scheduler admits at once
         does not count as waiting. When the scheduler reports a queue of its own
         (preemptions, a batch limited by KV blocks), that queue plus `n` if larger.
+        That queue is `num_queued`, the requests a plan passed over, not `num_waiting`:
+        requests that arrived while a plan was in flight wait there for the next one,
+        free seats or not, and counting them refused a request that would have run.
         """
         started = len(self._streams) - len(self._unstarted)
         free = max(0, self.config.scheduler.max_num_seqs - started)
         local = max(0, len(self._unstarted) + n - free)
-        reported = self.link.stats.num_waiting if self.link.stats is not None else 0
+        reported = self.link.stats.num_queued if self.link.stats is not None else 0
         return max(local, reported + n if reported else 0)
 
     def check_capacity(self, n: int, tokens: int = 0) -> None:

@@ -371,6 +371,10 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     step: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    # Of those, the ones a plan has passed over (no seat, no blocks, preempted): the queue
+    # that admission control counts. A request added since the last plan is not in it yet:
+    # with a plan in flight it may only be waiting for the next one, a free seat its own.
+    num_queued: int = 0
     num_preempted_total: int = 0
     batch_size: int = 0
     num_batched_tokens: int = 0

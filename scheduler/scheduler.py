@@ -65,6 +65,7 @@ class Scheduler:
         self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
 
         self.waiting: list[Request] = []  # sorted by policy.key
+        self._unplanned = 0  # requests added since the last `schedule` (see `num_queued`)
         self.running: list[Request] = []  # may hold non-running entries until compacted
         self._running_dirty = False
         self._num_running = 0
@@ -89,6 +90,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests that a plan has passed over: the queue admission counts.
+
+        One added since the last `schedule` has not been weighed yet (a plan in flight
+        holds the next one back) and may only be waiting for that plan. An abort of such a
+        request can leave this one short until the next plan, never over.
+        """
+        return max(0, len(self.waiting) - self._unplanned)
 
     @property
     def num_running(self) -> int:
@@ -123,7 +134,9 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def engine_stats(self) -> EngineStats:
-        return self.stats.snapshot(self._num_running, len(self.waiting), self.block_manager)
+        return self.stats.snapshot(
+            self._num_running, len(self.waiting), self.num_queued, self.block_manager
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -174,6 +187,7 @@ class Scheduler:
         self.by_seq[req.seq_id] = req
         self._by_id[msg.request_id] = req
         self.enqueue(req)
+        self._unplanned += 1
 
     def abort(self, request_id: str) -> None:
         """Drop a request. Its "abort" delta goes out once no sent plan can still read its prompt."""
@@ -206,6 +220,7 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         """The next step's plan, or None if nothing can be scheduled now."""
+        self._unplanned = 0
         return self.planner.schedule()
 
     def process_result(self, result: StepResult, tokens: list[int]) -> list[RequestDelta]:

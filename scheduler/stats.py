@@ -53,13 +53,16 @@ class SchedulerStats:
     logged_steps: int = 0
     logged_schedule_time: float = 0.0
 
-    def snapshot(self, num_running: int, num_waiting: int, bm: BlockManager) -> EngineStats:
+    def snapshot(
+        self, num_running: int, num_waiting: int, num_queued: int, bm: BlockManager
+    ) -> EngineStats:
         """`kv_blocks_used` counts blocks held by live requests; `kv_blocks_cached` counts
         cached blocks nobody holds, which are evictable and part of `kv_blocks_free`."""
         return EngineStats(
             step=self.num_steps_planned,
             num_running=num_running,
             num_waiting=num_waiting,
+            num_queued=num_queued,
             num_preempted_total=self.num_preempted_total,
             batch_size=self.last_batch_size,
             num_batched_tokens=self.last_num_batched_tokens,

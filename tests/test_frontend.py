@@ -37,7 +37,7 @@ import openai
 import pytest
 import zmq
 
-from subway.frontend.engine_client import EngineClient, EngineDeadError
+from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     AbortRequest,
@@ -852,6 +852,23 @@ async def _ready_client(config: EngineConfig) -> EngineClient:
             break
         await asyncio.sleep(0.02)
     return client
+
+
+def test_admission_counts_the_queue_a_plan_passed_over_not_fresh_arrivals():
+    """The 429 bound weighs the scheduler's `num_queued`. Its `num_waiting` also holds
+    arrivals that came while a plan was in flight; counting those refused a request that
+    a free seat would have taken (CI saw the fourth of four refused at 2 seats, 2 waiting)."""
+    client = EngineClient(EngineConfig.build(max_num_seqs=2, max_waiting=2))
+    try:
+        client.link.stats = EngineStats(num_running=1, num_waiting=2, num_queued=0)
+        assert client.waiting_with(1) == 0
+        client.check_capacity(1)
+        client.link.stats = EngineStats(num_running=2, num_waiting=2, num_queued=2)
+        assert client.waiting_with(1) == 3
+        with pytest.raises(QueueFullError):
+            client.check_capacity(1)
+    finally:
+        client.close()
 
 
 def test_engine_client_inline_fallback_abort_and_close(tmp_path):

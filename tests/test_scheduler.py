@@ -365,6 +365,24 @@ def test_prompt_ids_that_are_not_token_ids_fail_the_request():
     assert sched.num_waiting == 1
 
 
+def test_queued_counts_only_requests_a_plan_passed_over():
+    """Admission control's queue (`num_queued`) leaves out arrivals no plan has weighed
+    yet: with a plan in flight they wait for the next one, not for a seat."""
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        add(sched, Req(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8)))
+    assert (sched.num_waiting, sched.num_queued) == (3, 0)
+    assert sched.schedule() is not None  # two seats: r0 and r1 run, r2 is passed over
+    assert (sched.num_running, sched.num_waiting, sched.num_queued) == (2, 1, 1)
+    add(sched, Req("r3", [1, 2, 3], SamplingParams(max_tokens=8)))
+    stats = sched.engine_stats()
+    assert (stats.num_waiting, stats.num_queued) == (2, 1)
+    sched.abort("r3")  # an unweighed arrival leaves: the queue is short until the next plan
+    assert (sched.num_waiting, sched.num_queued) == (1, 0)
+    sched.schedule()
+    assert (sched.num_waiting, sched.num_queued) == (1, 1)
+
+
 def test_max_tokens_one_costs_one_step_in_overlap():
     sched = make_scheduler()
     worker = FakeWorker(256, 4)
