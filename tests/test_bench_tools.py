@@ -88,9 +88,20 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        """Stop serving and end open connections' handlers on the loop, not later in the
+        collector (their `finally` would then find the loop closed)."""
+
+        async def shutdown() -> None:
+            self.server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in handlers:
+                t.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -212,7 +212,7 @@ def test_unsupported_settings_are_refused_at_start():
     )
     if quant.cpu_has_vnni() or quant.avx2_int8_built():
         assert unsupported_reason(EngineConfig.build(quantization="int8", device="cpu")) is None
-    with pytest.raises(SystemExit, match="C\+\+ CPU kernels"):
+    with pytest.raises(SystemExit, match=r"C\+\+ CPU kernels"):
         main(["serve", "--quantization", "int8", "--device", "cpu", "--no-cpu-ext"])
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["serve", "--quantization", "int4"])
