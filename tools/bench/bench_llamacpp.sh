@@ -5,7 +5,8 @@
 # vendored in the PyPI sdist of llama-cpp-python (CPU only, native, ~10 min on 2 cores, cached
 # under ~/.cache/subway/llama.cpp), converts the default model to a bfloat16 GGUF file with
 # llama.cpp's own converter, then runs tools/bench/bench_serving.py against each server in turn.
-#   tools/bench/bench_llamacpp.sh        (SLOTS_LIST="16 64": the concurrencies compared)
+#   tools/bench/bench_llamacpp.sh        (SLOTS_LIST="16 64": the concurrencies compared;
+#                                          TAG=_x: results as docs/bench/llamacpp_x_c16.json ...)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=${SUBWAY_CACHE:-$HOME/.cache/subway}/llama.cpp
@@ -33,13 +34,13 @@ for conc in ${SLOTS_LIST:-16 64}; do
   lpid=$!
   for _ in $(seq 120); do curl -sf http://127.0.0.1:18201/health >/dev/null && break; sleep 1; done
   python -m subway.tools.bench.bench_serving --base-url http://127.0.0.1:18201 \
-    --workload /tmp/llamacpp-wl.jsonl --max-concurrency "$conc" --out "docs/bench/llamacpp_c$conc.json"
+    --workload /tmp/llamacpp-wl.jsonl --max-concurrency "$conc" --out "docs/bench/llamacpp${TAG:-}_c$conc.json"
   kill $lpid; wait $lpid 2>/dev/null || true
   subway serve --port 18202 --dtype bfloat16 --threads "$(nproc)" --max-num-seqs "$conc" \
     --max-model-len 2048 --dist-init-addr 127.0.0.1:18203 > /tmp/subway-vs-llamacpp.log 2>&1 &
   spid=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:18202/health >/dev/null && break; sleep 1; done
   python -m subway.tools.bench.bench_serving --base-url http://127.0.0.1:18202 \
-    --workload /tmp/llamacpp-wl.jsonl --max-concurrency "$conc" --out "docs/bench/subway_c$conc.json"
+    --workload /tmp/llamacpp-wl.jsonl --max-concurrency "$conc" --out "docs/bench/subway${TAG:-}_c$conc.json"
   kill $spid; wait $spid 2>/dev/null || true
 done
