@@ -284,10 +284,11 @@ static constexpr bool kHaveAvx512 = false;
 // item takes it: scores with one FMA chain per key and an 8-key horizontal-add tree; the
 // softmax on vectors (`softmax8`); each block of values is widened once into a tile in L1,
 // which every query head then reads, with NC accumulators in registers across the block.
-// (The 8-bit cache still widens its keys into the tile, with their row scales.) The next block is prefetched, as on AVX-512:
-// from a cold cache (a 128 MB read between calls, as a step's weights leave it) one
-// sequence's call took 1.14x less time at 200 keys and 1.21x at 800, level at 16 and 64
-// sequences (2-core AVX2 EPYC, an ad-hoc A/B of two builds, the same output).
+// (The 8-bit cache still widens its keys into the tile, with their row scales.) The next
+// block is prefetched, as on AVX-512: from a cold cache (a 128 MB read between calls, as a
+// step's weights leave it) one sequence's call took 1.14x less time at 200 keys and 1.21x
+// at 800, level at 16 and 64 sequences (2-core AVX2 EPYC, an ad-hoc A/B of two builds, the
+// same output).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const c10::BFloat16* p) { return widen_bf16_8(p); }
 static inline __m256 load8(const c10::Half* p) {
