@@ -392,8 +392,8 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
           // Keys straight from the cache: each key row widened once into registers, then
           // every query head of its KV head takes it, with scores8's chains and lane sums
           // (the same bits). Against widening the block into the tile first, a batch-64
-          // step's attention took 1.22x less time (42.4 against 51.9 ms, 30 layers of 64 x
-          // 257 tokens on scattered blocks; 2-core AVX2 EPYC, docs/BENCHMARKS.md).
+          // step's attention took 35.8 against 50.9 ms (`profile_step --batch 64`, medians
+          // of three alternating builds; 2-core AVX2 EPYC, docs/BENCHMARKS.md).
           for (int64_t j0 = 0; j0 < nt; j0 += 8) {
             const int64_t m = std::min<int64_t>(8, nt - j0);
             for (int64_t hh = 0; hh < hp; ++hh) {
