@@ -69,6 +69,9 @@ class Kernels:
     # batches (`subway_kernels/csrc/gemv_cpu.cpp`, `amx_linear_cpu.cpp` from 5 rows where the CPU
     # has AMX), for the layers that take it; None: none here.
     small_linear: Callable | None = None
+    # The weight as small_linear reads it (w) -> w': on AVX2 a copy in its own layout (the
+    # same shape), elsewhere w itself.
+    small_linear_pack: Callable | None = None
     # Greedy argmax of bfloat16 logits rows without a float32 copy (`argmax_cpu.cpp`); None: none.
     argmax_rows: Callable | None = None
     small_linear_rows: int = 1  # the most rows that small_linear takes
@@ -140,6 +143,7 @@ def _cpu_kernels(ext) -> Kernels:
     attention = partial(_ref_attention.paged_attention, ext=ext)  # the decodes compiled
     small = ext.small_linear if ext.small_linear_supported() else None
     return Kernels(
-        "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small, ext.argmax_rows,
+        "torch", rms_norm, rope_and_write_kv, attention, silu_and_mul, small,
+        ext.small_linear_pack if small else None, ext.argmax_rows,
         max(1, ext.small_linear_rows()), ext.decode_layers,
     )  # fmt: skip

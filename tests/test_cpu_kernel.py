@@ -98,18 +98,19 @@ for dtype in TOL:
                 out = ext.paged_decode(q, kc, vc, torch.from_numpy(tables),
                                        torch.from_numpy(ctx.astype(np.int32)), hd**-0.5, False)
                 torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-assert ext.small_linear_rows() == 16  # no AMX without AVX-512; the stripe kernel to 16 rows
-for rows in (1, 2, 3, 4, 8, 16):
+assert ext.small_linear_rows() == 32  # no AMX without AVX-512; the blocked kernel to 32 rows
+for rows in (1, 2, 3, 4, 8, 16, 25, 32):
     for n, k in [(960, 576), (130, 64), (7, 32)]:
         gen = torch.Generator().manual_seed(rows)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
         b = torch.randn(n, generator=gen).to(torch.bfloat16)
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         ref = (x.double() @ w.double().T + b.double()).float()
-        torch.testing.assert_close(ext.small_linear(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
+        got = ext.small_linear(x, ext.small_linear_pack(w), b)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=1e-2)
 try:
-    ext.small_linear(torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(8, 64).bfloat16())
-    raise SystemExit("17 rows should be refused")
+    ext.small_linear(torch.zeros(33, 64, dtype=torch.bfloat16), torch.zeros(16, 64).bfloat16())
+    raise SystemExit("33 rows should be refused")
 except RuntimeError:
     pass
 print("avx2 ok")
@@ -329,6 +330,13 @@ def _assert_within_one_ulp_or_float32_sum(got, x, w, b):
 ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33)
 
 
+def _small_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The few-row linear on `w` as it reads it (`small_linear_pack`: on AVX2 its own layout)."""
+    return ext.small_linear(x, ext.small_linear_pack(w), bias)
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     before = torch.get_num_threads()
@@ -356,38 +364,39 @@ def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     if rows > ext.small_linear_rows():
         with pytest.raises(RuntimeError):
-            ext.small_linear(x, w)
+            _small_linear(x, w)
         return
     for bias in (None, b):
-        got = ext.small_linear(x, w, bias)
+        got = _small_linear(x, w, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         _assert_within_one_ulp_or_float32_sum(got, x, w, bias)
     with pytest.raises(RuntimeError):
-        ext.small_linear(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48).bfloat16())
+        _small_linear(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(16, 48).bfloat16())
 
 
 @pytest.mark.skipif(
     ext is None or not ext.small_linear_supported(), reason="neither AVX512-BF16 nor AVX2"
 )
-def test_small_linear_gives_a_row_the_same_bits_in_any_batch_the_stripes_take():
+def test_small_linear_gives_a_row_the_same_bits_in_any_batch_it_takes():
     """Each output row's sum runs in the same order whatever the row count, over the rows the
-    stripe kernel takes (1 to 4 on AVX512-BF16; 1 to 16 on AVX2, whose `small_linear_rows`
-    is 16): so a sequence's bfloat16 linears give the same bits alone, in a small batch, or
-    as a speculative step's verification rows. A one-row loop that summed in another order
-    was 1.08-1.18x faster and made 3 of 8 bfloat16 greedy outputs part from speculative
-    decoding's (`bench_spec --equality`), so it was dropped."""
+    kernel takes (the stripe kernel's 1 to 4 on AVX512-BF16; on AVX2 the blocked kernel's 1
+    to `small_linear_rows`, 32): so a sequence's bfloat16 linears give the same bits alone,
+    in a small batch, or as a speculative step's verification rows. A one-row loop that
+    summed in another order than the kernel's batches made 3 of 8 bfloat16 greedy outputs
+    part from speculative decoding's (`bench_spec --equality`), so it was dropped."""
     # Another order of sums moves a float32 sum by a few of its ulps, which a bfloat16
     # rounding hides but for about 1 output in 10,000: so many outputs (the one-row loop's
     # build gave other bits in 9 of 65,536 such outputs in one draw, and fails this test).
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(4096, 1536, generator=gen) * 0.05).to(torch.bfloat16)
     bias = (torch.randn(4096, generator=gen) * 0.05).to(torch.bfloat16)
-    x = torch.randn(16, 1536, generator=gen).to(torch.bfloat16)
-    limit = 16 if ext.small_linear_rows() == 16 else 4
-    alone = [ext.small_linear(x[i : i + 1], w, bias) for i in range(limit)]
+    limit = ext.small_linear_rows() if ext.has_avx2() else 4  # AMX from 5 rows sums otherwise
+    x = torch.randn(limit, 1536, generator=gen).to(torch.bfloat16)
+    wl = ext.small_linear_pack(w)
+    alone = [ext.small_linear(x[i : i + 1], wl, bias) for i in range(limit)]
     with _threads(2):
         for rows in range(2, limit + 1):
-            y = ext.small_linear(x[:rows].contiguous(), w, bias)
+            y = ext.small_linear(x[:rows].contiguous(), wl, bias)
             for i in range(rows):
                 assert torch.equal(y[i : i + 1], alone[i]), (rows, i)
 
@@ -406,12 +415,13 @@ def test_small_linear_and_onednn_take_turns_on_every_thread():
     pw = pack_weight(w, 64)
     rows = [r for r in (1, 5, 16, 32) if r <= ext.small_linear_rows()]
     xs = {r: torch.randn(r, 576, generator=gen).to(torch.bfloat16) for r in rows + [64, 200]}
-    alone_small = {r: ext.small_linear(xs[r], w) for r in rows}
+    wl = ext.small_linear_pack(w)
+    alone_small = {r: ext.small_linear(xs[r], wl) for r in rows}
     alone_dnn = {r: packed_matmul(xs[r], pw, None) for r in (64, 200)}
     with _threads(2):
         for _ in range(3):
             for r in rows:
-                assert torch.equal(ext.small_linear(xs[r], w), alone_small[r])
+                assert torch.equal(ext.small_linear(xs[r], wl), alone_small[r])
                 for big in (64, 200):
                     assert torch.equal(packed_matmul(xs[big], pw, None), alone_dnn[big])
 

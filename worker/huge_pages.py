@@ -40,9 +40,9 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[off : off + nbytes].view(dtype).view(shape)
 
 
-def rehome(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Move same-dtype CPU parameters into one arena in huge pages (each 64-byte aligned);
-    the arena, or None when there is nothing to move. Values are unchanged."""
+def rehome(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """Move same-dtype CPU tensors (parameters or not) into one arena in huge pages (each
+    64-byte aligned); the arena, or None when there is nothing to move. Values are unchanged."""
     if not params:
         return None
     dtype = params[0].dtype

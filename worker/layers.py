@@ -61,9 +61,11 @@ def linear(
     small: Callable | None = None,
     small_rows: int = 1,
     wide: bool = False,
+    small_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x [rows, in]` times the weight. Up to `small_rows` rows go to `small` when the layer
-    has it (bfloat16 decode: up to 4 rows, 16 on AVX2, or 32 where the CPU has AMX: `Kernels.small_linear`). `wide`:
+    has it (bfloat16 decode: up to 4 rows, 32 on AVX2 or where the CPU has AMX:
+    `Kernels.small_linear`), reading `small_weight` (the weight in its layout). `wide`:
     `packed` holds the float32 copy of a bfloat16 weight (`widen_bf16`). A packed weight's
     matmul keeps a compiled kernel per row count, never freed (about 0.6 MB for each;
     measured in docs/RELIABILITY.md), so row counts above `EXACT_ROWS` are padded to a
@@ -71,7 +73,7 @@ def linear(
     otherwise add one."""
     rows = x.shape[0]
     if small is not None and rows <= small_rows and x.is_contiguous():
-        return small(x, weight, bias)
+        return small(x, weight if small_weight is None else small_weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     dtype = x.dtype
@@ -99,6 +101,15 @@ class PackedLinear(nn.Module):
     packed: torch.Tensor | None = None
     small: Callable | None = None  # its few-row linear (see `linear`), set by `pack`
     small_rows: int = 1
+    # The weight as `small` reads it where that is not `weight` itself (AVX2: a copy in the
+    # kernel's own layout, `Kernels.small_linear_pack`); a plain tensor, not a Parameter (so
+    # not in the state dict). A move into huge pages (`rehome`) swaps its `.data`.
+    small_weight: torch.Tensor | None = None
+
+    def small_read(self) -> torch.Tensor:
+        """The tensor that `small` reads: `small_weight`, else `weight`."""
+        return self.weight if self.small_weight is None else self.small_weight
+
     wide: bool = False  # `packed` is a float32 copy of the bfloat16 weight
     # Set by `quantize`, the float weight then dropped: our int8 kernels on the CPU, torch's
     # 8-bit ops on a GPU.
@@ -108,7 +119,10 @@ class PackedLinear(nn.Module):
         """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
         if self.int8 is not None:
             return self.int8(x, bias)
-        return linear(x, self.weight, bias, self.packed, self.small, self.small_rows, self.wide)
+        return linear(
+            x, self.weight, bias, self.packed, self.small, self.small_rows, self.wide,
+            self.small_weight,
+        )  # fmt: skip
 
     def quantize(self, ops: object | None) -> None:
         """Replace the weight by its 8-bit copy, freeing the float one: int8 on `ops`, the
@@ -120,7 +134,7 @@ class PackedLinear(nn.Module):
         self.unpack()
 
     def unpack(self) -> None:
-        self.packed, self.small, self.wide = None, None, False
+        self.packed, self.small, self.small_weight, self.wide = None, None, None, False
 
     def pack(
         self,
@@ -128,12 +142,14 @@ class PackedLinear(nn.Module):
         small: Callable | None = None,
         small_rows: int = 1,
         wide: bool = False,
+        small_pack: Callable | None = None,
     ) -> bool:
         """Keep a packed copy of the loaded weight for `forward`; False where unsupported.
         `small` (`Kernels.small_linear`) serves steps of up to `small_rows` rows where the
-        weight suits it: bfloat16, its input a multiple of 32. `wide`: a bfloat16 weight's
-        packed copy is float32 (`widen_bf16`); the bfloat16 one stays for `small`. A
-        quantized layer has nothing to pack."""
+        weight suits it: bfloat16, its input a multiple of 32; it reads the weight as
+        `small_pack` (`Kernels.small_linear_pack`) lays it out. `wide`: a bfloat16 weight's
+        packed copy is float32 (`widen_bf16`); the bfloat16 one stays. A quantized layer has
+        nothing to pack."""
         if self.int8 is not None:
             return True
         w = self.weight
@@ -142,9 +158,17 @@ class PackedLinear(nn.Module):
         suits = w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
         self.small = small if suits and self.packed is not None else None
         self.small_rows = small_rows
+        self.small_weight = small_layout(w, small_pack) if self.small is not None else None
         if self.packed is None:
             self.wide = False
         return self.packed is not None
+
+
+def small_layout(w: torch.Tensor, small_pack: Callable | None) -> torch.Tensor | None:
+    """`w` repacked as the few-row linear reads it (AVX2: blocks of 16 outputs, gemv_cpu.cpp);
+    None where it reads `w` as it is."""
+    laid = None if small_pack is None else small_pack(w.detach())
+    return None if laid is None or laid.data_ptr() == w.data_ptr() else laid
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

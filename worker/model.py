@@ -26,6 +26,7 @@ from subway.worker.layers import (
     empty_param,
     linear,
     pack_weight,
+    small_layout,
 )
 from subway.worker.model_arch import ModelArch
 from subway.worker.parallel import TensorParallel
@@ -214,12 +215,14 @@ class CausalLM(nn.Module):
             return self.lm_head_int8(hidden)
         return linear(
             hidden, self.lm_head, None, self.lm_head_packed, self.lm_head_small,
-            self.kernels.small_linear_rows, self.lm_head_wide,
+            self.kernels.small_linear_rows, self.lm_head_wide, self.lm_head_small_weight,
         )  # fmt: skip
 
     lm_head_packed: torch.Tensor | None = None
     lm_head_wide: bool = False  # lm_head_packed is the float32 copy of a bfloat16 lm_head
     lm_head_small: Callable | None = None  # the few-row linear, for a decode step's logits
+    # The lm_head as lm_head_small reads it where not as it is (AVX2, `small_layout`).
+    lm_head_small_weight: torch.Tensor | None = None
     lm_head_int8: Int8Linear | None = None
     fused_decode: FusedDecode | None = None  # set by pack_weights where it applies
 
@@ -242,8 +245,9 @@ class CausalLM(nn.Module):
         too (its weight in huge pages);
         `wide`: bfloat16 weights packed as float32 (`layers.widen_bf16`)."""
         small, rows = self.kernels.small_linear, self.kernels.small_linear_rows
+        small_pack = self.kernels.small_linear_pack
         ok = all(
-            m.pack(batch_hint, small, rows, wide)
+            m.pack(batch_hint, small, rows, wide, small_pack)
             for m in self.modules()
             if isinstance(m, PackedLinear)
         )
@@ -262,6 +266,11 @@ class CausalLM(nn.Module):
         self.lm_head_small = (
             small if one_row_lm_head and suits and self.lm_head_packed is not None else None
         )
+        # Where the kernel's layout is its own (AVX2) a copy: a tied lm_head is the embedding
+        # table too, whose rows stay as they are.
+        self.lm_head_small_weight = (
+            small_layout(w, small_pack) if self.lm_head_small is not None else None
+        )
         if not ok or self.lm_head_packed is None:
             for m in self.modules():
                 if isinstance(m, PackedLinear):
@@ -271,11 +280,12 @@ class CausalLM(nn.Module):
         self.fused_decode = FusedDecode.build(self)
         return True
 
-    def one_row_weights(self) -> list[nn.Parameter]:
-        """The plain weights that the one-row linear reads (after `pack_weights`)."""
-        out = [m.weight for m in self.modules() if isinstance(m, PackedLinear) and m.small]
+    def one_row_weights(self) -> list[torch.Tensor]:
+        """The weights that the few-row linear reads (after `pack_weights`)."""
+        out = [m.small_read() for m in self.modules() if isinstance(m, PackedLinear) and m.small]
         if self.lm_head_small is not None:
-            out.append(self.lm_head)
+            lm = self.lm_head_small_weight
+            out.append(self.lm_head if lm is None else lm)
         return out
 
     # ------------------------------------------------------------------ weights
@@ -351,9 +361,9 @@ class FusedDecode:
     (docs/BENCHMARKS.md). It applies on one rank (no all-reduce between the kernels),
     without Qwen3's q/k norms, where every layer's linears take the few-row kernel (steps
     of up to `small_linear_rows` rows), or under `--quantization int8` where they all take
-    the AVX2 or the AMX int8 matmul (steps of any size: those take any row count). The
-    bfloat16 weights are held as Parameters, so a later move into huge pages (`rehome`,
-    which swaps `.data`) is seen."""
+    the AVX2 or the AMX int8 matmul (steps of any size: those take any row count). It
+    holds the weight tensors the few-row kernel reads (`PackedLinear.small_read`), so a
+    later move into huge pages (`rehome`, which swaps `.data`) is seen."""
 
     INT8_PATHS = {"avx2": 1, "amx": 2}  # decode_layers_cpu.cpp's Int8Path
 
@@ -368,7 +378,7 @@ class FusedDecode:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)
-            w = [m.int8.packed if int8_path else m.weight for m in linears]
+            w = [m.int8.packed if int8_path else m.small_read() for m in linears]
             self.weights += [layer.input_layernorm.weight, w[0], w[1]]
             self.weights += [layer.post_attention_layernorm.weight, w[2], w[3]]
             self.biases += [none if m.bias is None else m.bias for m in linears]

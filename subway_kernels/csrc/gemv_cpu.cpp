@@ -10,10 +10,12 @@
 // place (the float32 sum rounded once: within one bfloat16 ulp of the exact result).
 // From 5 rows on (up to 32), where the CPU has AMX, `small_linear` hands the weight's whole
 // 32-row strips to amx_linear_cpu.cpp and keeps only the last N % 32 rows here.
+// On AVX2 the weight is read in a layout of its own (`small_linear_pack`), described below.
 #include <ATen/ATen.h>
 #include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include <vector>
@@ -52,8 +54,8 @@ static inline float bf16_to_float(uint16_t h) {
 // in 12-14 ms at one to four rows, against oneDNN's 20-24 ms (2-core Sapphire Rapids VM);
 // past four it is bound by the dot products (8 rows: 26 ms), where AMX takes over.
 static constexpr int64_t kRowsUsed = 4;
-using XRow = uint16_t;  // x stays bfloat16: dpbf16 takes it as it is
-static const XRow* prepare_x(const uint16_t* xh, int64_t, std::vector<float>&) { return xh; }
+// The weight stays in its natural rows (x stays bfloat16: dpbf16 takes both as they are).
+torch::Tensor small_linear_pack(torch::Tensor w) { return w; }
 
 // One stripe of `rows` (<= kStripe) weight rows from n, times the G (<= 4) rows of x at
 // `x`; outputs to y (rows of N). `fetch`: this pass is the stripe's first, which streams it
@@ -87,68 +89,173 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 (no bfloat16 arithmetic, as on AMD before Zen 4): the rows of x widened to float32
-// once per call, each weight chunk of 8 widened in registers (a shift), float32 FMAs. With
-// its prefetch it reads SmolLM2's weights at 21 GB/s at one row, against 24 for a plain sum
-// (2-core AVX2 EPYC; 17 GB/s without the prefetch); at 2 to 4 rows oneDNN's call takes
-// 1.5-2x as long, since it widens the whole weight for each. Same plan and rounding as the
-// AVX512-BF16 path.
+// AVX2 (no bfloat16 arithmetic, as on AMD before Zen 4): a register-tiled matmul over the
+// weight in its own layout (`small_linear_pack`): blocks of 16 outputs, each [K][16], so one
+// 32-byte load gives a k's 16 weights and two unpacks widen them (no shifts, no lane
+// crossing). Each row of x is broadcast a value at a time against them: every output is one
+// float32 lane summed k by k in order, from 0, with fused multiply-adds, whatever the row
+// count, so a row's output is the same bits alone or in any batch this kernel takes (a
+// speculative step's verification rows give what one-token steps give). The stripe kernel
+// it replaced (dot products over natural rows, each chunk re-widened for every four rows of
+// x, their 16 sums past the registers) ran 2 to 16 rows at 49-80 GFLOPS on a 2-core Zen 3;
+// this one, x's k range in passes of kChunk so x and the block stay in L1, 110-127 at 8 to
+// 16 rows and 1.2-1.4x oneDNN's float32 matmul up to 48 rows (docs/BENCHMARKS.md).
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
-// Up to 16 rows: oneDNN widens bfloat16 on every call here, and its float32 matmul on the
-// packed float32 copy (`--bf16-matmul auto`) reads twice the bytes. Over SmolLM2's 120
-// layer weights (an ad-hoc loop, 2-core AVX2 EPYC) this kernel was 2.1x faster than that at
-// 4 rows, 1.34x at 8, 1.13x at 12, 1.07x at 16, and slower from 24 (0.83x): it widens each
-// weight chunk again for every group of four rows, while oneDNN's cost grows more slowly.
-static constexpr int64_t kRowsUsed = 16;
-using XRow = float;  // the rows of x widened once per call
-static const XRow* prepare_x(const uint16_t* xh, int64_t n, std::vector<float>& buf) {
-  buf.resize(n);
-  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(xh[i]);
-  return buf.data();
+static constexpr int64_t kRowsUsed = 32;
+static constexpr int64_t kBlock = 16;  // outputs per block of the packed weight
+static constexpr int64_t kChunk = 256;  // k per pass over a block, for every group of rows
+static constexpr int kMaxGroup = 6;     // rows of x per register tile: 12 sums, 2 weights
+// Where each of a k's 16 packed weights comes from: unpacking 16-bit words interleaves
+// within each 128-bit half, so this order makes the low unpack give outputs 0-7, the high 8-15.
+static constexpr int64_t kLaneOrder[kBlock] = {0, 1, 2, 3, 8, 9, 10, 11,
+                                               4, 5, 6, 7, 12, 13, 14, 15};
+
+static inline void widen16(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
 }
 
-// widen_bf16_8 and hsum8 are vec_math.h's.
-// The AVX512-BF16 path's group_times_stripe on 8 float32 lanes: each 64-byte line of the
-// stripe's rows is prefetched kPrefetchBytes ahead when `fetch`, then taken as 4 chunks of 8.
-// The sums run chunk by chunk in order, as without the prefetch (the same bits).
-template <int G, int R>  // R: the stripe's rows, known (kStripe) or 0 (`rows`, the last one)
-static inline void stripe_sums(const float* x, const uint16_t* w, __m256 (&acc)[G][kStripe],
-                               int64_t K, int64_t n, int64_t rows_, bool fetch) {
-  const int64_t rows = R > 0 ? R : rows_;
-  for (int64_t c = 0; c < K; c += 32) {
-    if (kPrefetchBytes > 0 && fetch)
-      for (int j = 0; j < rows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + c) + kPrefetchBytes,
-                     _MM_HINT_T0);
-    for (int64_t q = c; q < c + 32; q += 8) {
-      __m256 xv[G];
-      for (int m = 0; m < G; ++m) xv[m] = _mm256_loadu_ps(x + m * K + q);
-      for (int j = 0; j < rows; ++j) {
-        const __m256 wv = widen_bf16_8(w + (n + j) * K + q);
-        for (int m = 0; m < G; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);
+// G rows of x (float32, rows of K) against one block over k in [k0, k1): the sums start
+// from `sums [G][16]` (from zero when `first`) and go back there. `fetch`: this pass streams
+// the block from memory (the first group's), so it prefetches ahead.
+template <int G>
+static inline void block_pass(const float* x, int64_t K, const uint16_t* block, int64_t k0,
+                              int64_t k1, float* sums, bool first, bool fetch) {
+  __m256 acc[G][2];
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < 2; ++j)
+      acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + m * kBlock + j * 8);
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* p = block + k * kBlock;
+    if (kPrefetchBytes > 0 && fetch && (k & 1) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 w0, w1;
+    widen16(p, w0, w1);
+    for (int m = 0; m < G; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(sums + m * kBlock + j * 8, acc[m][j]);
+}
+
+// One row of x against two neighbouring blocks at once, all of k: four chains of sums in
+// flight, two streams of weights (one row is bound by the memory, not the FMAs).
+static inline void row_pair(const float* x, int64_t K, const uint16_t* block, float* sums) {
+  const uint16_t* other = block + K * kBlock;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* p = block + k * kBlock;
+    const uint16_t* q = other + k * kBlock;
+    if (kPrefetchBytes > 0 && (k & 1) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    __m256 w0, w1, v0, v1;
+    widen16(p, w0, w1);
+    widen16(q, v0, v1);
+    const __m256 xb = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(xb, w0, a0);
+    a1 = _mm256_fmadd_ps(xb, w1, a1);
+    b0 = _mm256_fmadd_ps(xb, v0, b0);
+    b1 = _mm256_fmadd_ps(xb, v1, b1);
+  }
+  _mm256_storeu_ps(sums, a0);
+  _mm256_storeu_ps(sums + 8, a1);
+  _mm256_storeu_ps(sums + 16, b0);
+  _mm256_storeu_ps(sums + 24, b1);
+}
+
+static void group_pass(int g, const float* x, int64_t K, const uint16_t* block, int64_t k0,
+                       int64_t k1, float* sums, bool first, bool fetch) {
+  switch (g) {
+    case 1: block_pass<1>(x, K, block, k0, k1, sums, first, fetch); break;
+    case 2: block_pass<2>(x, K, block, k0, k1, sums, first, fetch); break;
+    case 3: block_pass<3>(x, K, block, k0, k1, sums, first, fetch); break;
+    case 4: block_pass<4>(x, K, block, k0, k1, sums, first, fetch); break;
+    case 5: block_pass<5>(x, K, block, k0, k1, sums, first, fetch); break;
+    default: block_pass<6>(x, K, block, k0, k1, sums, first, fetch); break;
+  }
+}
+
+// sums [M][16] of outputs n0.. (at most `count` of them) to y, each plus its bias, rounded.
+static inline void finish(const float* sums, int64_t M, int64_t n0, int64_t count,
+                          const uint16_t* b, uint16_t* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t l = 0; l < count; ++l) {
+      float s = sums[m * kBlock + l];
+      if (b != nullptr) s += bf16_to_float(b[n0 + l]);
+      y[m * N + n0 + l] = to_bf16(s);
+    }
+}
+
+// y [M, N] = x [M, K] (float32) times the packed weight (+ b).
+static void blocked_linear(const float* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
+                           int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / kBlock;
+  const int64_t groups = (M + kMaxGroup - 1) / kMaxGroup;  // near-equal groups of rows
+  if (M == 1) {
+    at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+      alignas(32) float sums[2 * kBlock];
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t blk = 2 * p;
+        const uint16_t* wb = w + blk * K * kBlock;
+        if (blk + 1 < blocks) {
+          row_pair(x, K, wb, sums);
+          finish(sums, 1, blk * kBlock, 2 * kBlock, b, y, N);
+        } else {
+          block_pass<1>(x, K, wb, 0, K, sums, true, true);
+          finish(sums, 1, blk * kBlock, kBlock, b, y, N);
+        }
       }
+    });
+  } else {
+    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+      std::vector<float> sums(M * kBlock);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const uint16_t* wb = w + blk * K * kBlock;
+        for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+          const int64_t k1 = std::min(K, k0 + kChunk);
+          for (int64_t g = 0, m = 0; g < groups; ++g) {
+            const int rows = static_cast<int>(M / groups + (g < M % groups ? 1 : 0));
+            group_pass(rows, x + m * K, K, wb, k0, k1, sums.data() + m * kBlock, k0 == 0,
+                       g == 0);
+            m += rows;
+          }
+        }
+        finish(sums.data(), M, blk * kBlock, kBlock, b, y, N);
+      }
+    });
+  }
+  // The last N % 16 outputs keep their natural rows: summed the same way, a lane at a time.
+  for (int64_t n = blocks * kBlock; n < N; ++n) {
+    const uint16_t* row = w + blocks * kBlock * K + (n - blocks * kBlock) * K;
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(x[m * K + k], bf16_to_float(row[k]), s);
+      if (b != nullptr) s += bf16_to_float(b[n]);
+      y[m * N + n] = to_bf16(s);
     }
   }
 }
 
-template <int G>
-static inline void group_times_stripe(const float* x, const uint16_t* w, const uint16_t* b,
-                                      uint16_t* y, int64_t K, int64_t N, int64_t n, int64_t rows,
-                                      bool fetch) {
-  __m256 acc[G][kStripe];
-  for (int m = 0; m < G; ++m)
-    for (int j = 0; j < kStripe; ++j) acc[m][j] = _mm256_setzero_ps();
-  if (rows == kStripe)
-    stripe_sums<G, kStripe>(x, w, acc, K, n, rows, fetch);
-  else
-    stripe_sums<G, 0>(x, w, acc, K, n, rows, fetch);
-  for (int m = 0; m < G; ++m)
-    for (int j = 0; j < rows; ++j) {
-      float s = hsum8(acc[m][j]);
-      if (b != nullptr) s += bf16_to_float(b[n + j]);
-      y[m * N + n + j] = to_bf16(s);
-    }
+torch::Tensor small_linear_pack(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "a bfloat16 weight [out, in]");
+  const int64_t N = w.size(0), K = w.size(1), whole = N - N % kBlock;
+  auto out = torch::empty_like(w, at::MemoryFormat::Contiguous);
+  if (whole > 0) {
+    auto order = torch::tensor(std::vector<int64_t>(kLaneOrder, kLaneOrder + kBlock));
+    out.narrow(0, 0, whole).view({whole / kBlock, K, kBlock})
+        .copy_(w.narrow(0, 0, whole).reshape({whole / kBlock, kBlock, K}).transpose(1, 2)
+                   .index_select(2, order));
+  }
+  if (whole < N) out.narrow(0, whole, N - whole).copy_(w.narrow(0, whole, N - whole));
+  return out;
 }
 
 #endif
@@ -160,7 +267,8 @@ void amx_linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_
                 int64_t K, int64_t N);
 
 #if defined(SUBWAY_SMALL_LINEAR)
-// From this many rows on, AMX (where there is one) instead of the stripe kernel.
+// From this many rows on, AMX (where there is one) instead of the stripe kernel. `w` is the
+// weight as `small_linear_pack` gives it (on AVX2 its own layout; elsewhere as it was).
 static constexpr int64_t kAmxFromRows = 5;
 
 bool small_linear_supported() { return true; }
@@ -183,14 +291,18 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     bp = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
   }
   auto y = torch::empty({M, N}, x.options());
-  std::vector<float> xbuf;
-  const XRow* xp =
-      prepare_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xbuf);
+  const uint16_t* xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if !defined(__AVX512BF16__)
+  std::vector<float> xf(M * K);  // the rows of x widened once per call
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xh[i]);
+  blocked_linear(xf.data(), wp, bp, yp, M, K, N);
+  return y;
+#else
   int64_t first = 0;  // the first weight row left to the stripe kernel
   if (M >= kAmxFromRows && amx_linear_supported()) {
-    amx_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), wp, bp, yp, M, K, N);
+    amx_linear(xh, wp, bp, yp, M, K, N);
     first = N - N % 32;
     if (first == N) return y;
   }
@@ -202,7 +314,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     for (int64_t n = s0 * kStripe; n < std::min<int64_t>(s1 * kStripe, N); n += kStripe) {
       const int64_t rows = std::min<int64_t>(kStripe, N - n);
       for (int64_t m = 0; m < M; m += 4) {
-        const XRow* xg = xp + m * K;
+        const uint16_t* xg = xh + m * K;
         uint16_t* yg = yp + m * N;
         const bool fetch = m == 0;
         switch (std::min<int64_t>(4, M - m)) {
@@ -215,6 +327,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     }
   });
   return y;
+#endif
 }
 
 #else  // neither AVX512-BF16 nor AVX2: callers keep oneDNN
@@ -226,5 +339,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor, c10::optional<torch::
   TORCH_CHECK(false, "small_linear needs AVX512-BF16 or AVX2");
   return x;
 }
+
+torch::Tensor small_linear_pack(torch::Tensor w) { return w; }
 
 #endif

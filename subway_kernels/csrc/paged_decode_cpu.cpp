@@ -575,6 +575,7 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 // gemv_cpu.cpp
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor small_linear_pack(torch::Tensor w);
 bool small_linear_supported();
 int64_t small_linear_rows();
 
@@ -603,6 +604,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A grammar's packed token mask on some rows of float32 logits: the rest to -inf (CPU)");
   m.def("small_linear", &small_linear, "bfloat16 linear of a few rows (small_linear_rows), AVX512-BF16 or AVX2 (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("small_linear_pack", &small_linear_pack,
+        "A bfloat16 weight [out, in] in the layout small_linear reads: on AVX2 its own (blocks "
+        "of 16 outputs, [in][16] each; the same shape), elsewhere the weight itself");
   m.def("silu_and_mul", &silu_and_mul,
         "silu(gate) * up of bfloat16 rows, rounded as the reference rounds (CPU)");
   m.def("silu_and_mul_supported", &silu_and_mul_supported,

@@ -1,6 +1,6 @@
 """Packed (oneDNN layout, `worker.layers.pack_weight`) against plain `F.linear` on the CPU,
-the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, AMX from 5 rows
-where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
+the few-row bfloat16 linear (`Kernels.small_linear`: the stripe kernel, on AVX2 the blocked
+one; AMX from 5 rows where the CPU has it; "-" past `small_linear_rows`), and int8 (`--quantization int8`:
 `worker.quant.Int8Linear`, activations quantized per row, on the path `choose_path`
 picks: AMX, oneDNN with VNNI, else the AVX2 kernel; and the same call on oneDNN beside it
 where the CPU has VNNI). Where oneDNN has no native bfloat16 the packed weight is the
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     ext = cpu_ext.load()
     few = ext.small_linear if ext is not None and ext.small_linear_supported() else None
     few_rows = ext.small_linear_rows() if few is not None else 0
+    # The weights as the few-row linear reads them (on AVX2 its own layout).
+    laid = [[ext.small_linear_pack(w) for w in ws] for ws in layers] if few is not None else []
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
     # oneDNN's int8 saturates without VNNI: there it is not a path, and not timed.
     int8_dnn = (
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 q8(xs, int8_dnn)
 
         def sm(xs: dict[int, torch.Tensor] = xs) -> None:
-            for ws in layers:
+            for ws in laid:
                 for w in ws:
                     few(xs[w.shape[1]], w, None)
 
