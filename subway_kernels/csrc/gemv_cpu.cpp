@@ -105,7 +105,7 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 static constexpr int64_t kRowsUsed = 32;
 static constexpr int64_t kBlock = 16;  // outputs per block of the packed weight
 static constexpr int64_t kChunk = 256;  // k per pass over a block, for every group of rows
-static constexpr int kMaxGroup = 6;     // rows of x per register tile: 12 sums, 2 weights
+static constexpr int kMaxGroup = 5;  // rows of x per register tile: 10 sums, 2 weights, x, 0
 // Where each of a k's 16 packed weights comes from: unpacking 16-bit words interleaves
 // within each 128-bit half, so this order makes the low unpack give outputs 0-7, the high 8-15.
 static constexpr int64_t kLaneOrder[kBlock] = {0, 1, 2, 3, 8, 9, 10, 11,
