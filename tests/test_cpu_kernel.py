@@ -98,8 +98,8 @@ for dtype in TOL:
                 out = ext.paged_decode(q, kc, vc, torch.from_numpy(tables),
                                        torch.from_numpy(ctx.astype(np.int32)), hd**-0.5, False)
                 torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-assert ext.small_linear_rows() == 32  # no AMX without AVX-512; the blocked kernel to 32 rows
-for rows in (1, 2, 3, 4, 8, 16, 25, 32):
+assert ext.small_linear_rows() == 64  # no AMX without AVX-512; the blocked kernel to 64 rows
+for rows in (1, 2, 3, 4, 8, 16, 25, 64):
     for n, k in [(960, 576), (130, 64), (7, 32)]:
         gen = torch.Generator().manual_seed(rows)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -109,8 +109,8 @@ for rows in (1, 2, 3, 4, 8, 16, 25, 32):
         got = ext.small_linear(x, ext.small_linear_pack(w), b)
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=1e-2)
 try:
-    ext.small_linear(torch.zeros(33, 64, dtype=torch.bfloat16), torch.zeros(16, 64).bfloat16())
-    raise SystemExit("33 rows should be refused")
+    ext.small_linear(torch.zeros(65, 64, dtype=torch.bfloat16), torch.zeros(16, 64).bfloat16())
+    raise SystemExit("65 rows should be refused")
 except RuntimeError:
     pass
 print("avx2 ok")
@@ -327,7 +327,7 @@ def _assert_within_one_ulp_or_float32_sum(got, x, w, b):
     assert bool(((ulps <= 1) | near).all()), int(ulps.max())
 
 
-ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33)
+ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33, 64, 65)
 
 
 def _small_linear(
@@ -380,7 +380,7 @@ def test_small_linear_is_within_one_ulp_of_the_exact_product(rows, out_in):
 def test_small_linear_gives_a_row_the_same_bits_in_any_batch_it_takes():
     """Each output row's sum runs in the same order whatever the row count, over the rows the
     kernel takes (the stripe kernel's 1 to 4 on AVX512-BF16; on AVX2 the blocked kernel's 1
-    to `small_linear_rows`, 32): so a sequence's bfloat16 linears give the same bits alone,
+    to `small_linear_rows`, 64): so a sequence's bfloat16 linears give the same bits alone,
     in a small batch, or as a speculative step's verification rows. A one-row loop that
     summed in another order than the kernel's batches made 3 of 8 bfloat16 greedy outputs
     part from speculative decoding's (`bench_spec --equality`), so it was dropped."""

@@ -287,9 +287,9 @@ def _avx2_few_rows() -> bool:
     return ext is not None and ext.small_linear_supported() and ext.has_avx2()
 
 
-@pytest.mark.skipif(not _avx2_few_rows(), reason="AVX2's few-row kernel (up to 32 rows) only")
+@pytest.mark.skipif(not _avx2_few_rows(), reason="AVX2's few-row kernel (up to 64 rows) only")
 def test_bfloat16_greedy_is_the_same_bits_with_drafts_on_avx2(tiny_models):
-    """On AVX2 a bfloat16 linear of up to 32 rows sums each row in one order whatever the
+    """On AVX2 a bfloat16 linear of up to 64 rows sums each row in one order whatever the
     row count, so one request's verification rows (up to 5 here) give the bits its one-token
     steps give: greedy output is identical with and without drafts even in bfloat16, where
     the tiny model's flat logits tie often. (Elsewhere a 5-row step may take another

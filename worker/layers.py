@@ -64,7 +64,7 @@ def linear(
     small_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x [rows, in]` times the weight. Up to `small_rows` rows go to `small` when the layer
-    has it (bfloat16 decode: up to 4 rows, 32 on AVX2 or where the CPU has AMX:
+    has it (bfloat16 decode: up to 4 rows, 64 on AVX2, 32 where the CPU has AMX:
     `Kernels.small_linear`), reading `small_weight` (the weight in its layout). `wide`:
     `packed` holds the float32 copy of a bfloat16 weight (`widen_bf16`). A packed weight's
     matmul keeps a compiled kernel per row count, never freed (about 0.6 MB for each;

@@ -98,11 +98,12 @@ static inline void group_times_stripe(const uint16_t* x, const uint16_t* w, cons
 // speculative step's verification rows give what one-token steps give). The stripe kernel
 // it replaced (dot products over natural rows, each chunk re-widened for every four rows of
 // x, their 16 sums past the registers) ran 2 to 16 rows at 49-80 GFLOPS on a 2-core Zen 3;
-// this one, x's k range in passes of kChunk so x and the block stay in L1, 110-127 at 8 to
-// 16 rows and 1.2-1.4x oneDNN's float32 matmul up to 48 rows (docs/BENCHMARKS.md).
+// this one, x's k range in passes of kChunk so x and the block stay in L1, 110-127 in a
+// replica at 8 to 16 rows. Its decode steps ran 1.2-1.6x faster than on oneDNN's float32
+// matmul at 16 to 64 rows (`bench_small_linear`, docs/BENCHMARKS.md): so up to 64 rows.
 #include <immintrin.h>
 #define SUBWAY_SMALL_LINEAR 1
-static constexpr int64_t kRowsUsed = 32;
+static constexpr int64_t kRowsUsed = 64;
 static constexpr int64_t kBlock = 16;  // outputs per block of the packed weight
 static constexpr int64_t kChunk = 256;  // k per pass over a block, for every group of rows
 static constexpr int kMaxGroup = 5;  // rows of x per register tile: 10 sums, 2 weights, x, 0
