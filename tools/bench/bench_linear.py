@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     few = ext.small_linear if ext is not None and ext.small_linear_supported() else None
     few_rows = ext.small_linear_rows() if few is not None else 0
     # The weights as the few-row linear reads them (on AVX2 its own layout).
-    laid = [[ext.small_linear_pack(w) for w in ws] for ws in layers] if few is not None else []
+    laid = (
+        [[ext.small_linear_pack(w) for w in ws] for ws in layers]
+        if few is not None and dtype == torch.bfloat16
+        else []
+    )
     int8 = [[Int8Linear(w, ops) for w in ws] for ws in layers]
     # oneDNN's int8 saturates without VNNI: there it is not a path, and not timed.
     int8_dnn = (
