@@ -105,15 +105,14 @@ class PackedLinear(nn.Module):
     # kernel's own layout, `Kernels.small_linear_pack`); a plain tensor, not a Parameter (so
     # not in the state dict). A move into huge pages (`rehome`) swaps its `.data`.
     small_weight: torch.Tensor | None = None
-
-    def small_read(self) -> torch.Tensor:
-        """The tensor that `small` reads: `small_weight`, else `weight`."""
-        return self.weight if self.small_weight is None else self.small_weight
-
     wide: bool = False  # `packed` is a float32 copy of the bfloat16 weight
     # Set by `quantize`, the float weight then dropped: our int8 kernels on the CPU, torch's
     # 8-bit ops on a GPU.
     int8: Int8Linear | ScaledLinear | None = None
+
+    def small_read(self) -> torch.Tensor:
+        """The tensor that `small` reads: `small_weight`, else `weight`."""
+        return self.weight if self.small_weight is None else self.small_weight
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
