@@ -172,6 +172,7 @@ static inline void row_pair(const float* x, int64_t K, const uint16_t* block, fl
   _mm256_storeu_ps(sums + 24, b1);
 }
 
+// block_pass for g (1 to kMaxGroup) rows.
 static void group_pass(int g, const float* x, int64_t K, const uint16_t* block, int64_t k0,
                        int64_t k1, float* sums, bool first, bool fetch) {
   switch (g) {
@@ -179,8 +180,7 @@ static void group_pass(int g, const float* x, int64_t K, const uint16_t* block, 
     case 2: block_pass<2>(x, K, block, k0, k1, sums, first, fetch); break;
     case 3: block_pass<3>(x, K, block, k0, k1, sums, first, fetch); break;
     case 4: block_pass<4>(x, K, block, k0, k1, sums, first, fetch); break;
-    case 5: block_pass<5>(x, K, block, k0, k1, sums, first, fetch); break;
-    default: block_pass<6>(x, K, block, k0, k1, sums, first, fetch); break;
+    default: block_pass<kMaxGroup>(x, K, block, k0, k1, sums, first, fetch); break;
   }
 }
 
