@@ -118,9 +118,16 @@ def test_measure_sends_greedy_ignore_eos_and_counts_tokens(monkeypatch) -> None:
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         reqs = [Request(f"r{i}", f"p{i}", 1, 5 + i) for i in range(4)]
-        out = vs_vllm.measure(url, reqs, vs_vllm.settings([4], 2), max_cores=99.0)
+        floors = iter([{"ms": 10.0}, {"ms": 14.0}])
+        out = vs_vllm.measure(
+            url, reqs, vs_vllm.settings([4], 2), max_cores=99.0, floor=lambda: next(floors)
+        )
     finally:
         server.shutdown()
+    # The floor is read around the single-stream setting only, and its ITL divided by their mean.
+    assert "read_floor_around" not in out["c4"]
+    assert out["c1"]["read_floor_around"] == [{"ms": 10.0}, {"ms": 14.0}]
+    assert out["c1"]["itl_over_floor"] == pytest.approx(out["c1"]["itl_ms"]["p50"] / 12.0)
     assert out["c4"]["per_request_tokens"] == [5, 6, 7, 8]
     assert out["c4"]["output_tokens"] == 26 and out["c4"]["usage_reported"]
     assert out["c1"]["per_request_tokens"] == [5, 6]
@@ -134,7 +141,7 @@ def test_interleave_runs_each_setting_on_both_servers_abba(monkeypatch) -> None:
     calls: list[tuple[str, str]] = []
     monkeypatch.setattr(vs_vllm, "warm_up", lambda url, reqs: {"greedy_text": url})
 
-    def fake(url: str, reqs: list, setting: tuple, max_cores: float, wait_s: float) -> dict:
+    def fake(url: str, reqs: list, setting: tuple, max_cores: float, wait_s: float, floor) -> dict:
         calls.append((url, setting[0]))
         return {"n": len(calls)}
 

@@ -12,6 +12,8 @@ for inter-token latency. `--rounds 2` runs ABBA (Subway, vLLM, vLLM, Subway) so 
 alternates them per setting instead, ABBA within each setting: on a machine whose speed
 drifts over minutes, the two runs of a pair then see the same machine.
 Prints a table (output tok/s, TTFT and ITL p50/p99, output tokens) and the Subway/vLLM ratios.
+The weight-read floor (`read_floor`) is read before and after the servers, and again just
+before and after each single-stream run; Subway's ITL is given over both.
 
     python -m subway.tools.bench.vs_vllm --out docs/bench/vs_vllm.json [--rounds 2]
 """
@@ -28,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -175,19 +177,27 @@ def measure_setting(
     setting: tuple[str, int, int],
     max_cores: float = 0.3,
     wait_s: float = 600.0,
+    floor: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One setting, once other processes leave the CPU (under `max_cores` of it): the
-    summary, the foreign CPU before and during, per-request output tokens."""
+    summary, the foreign CPU before and during, per-request output tokens. With `floor`, a
+    single-stream setting also reads the weight-read floor just before and just after it
+    (seconds apart, where the run's first and last readings are up to an hour apart on a
+    machine whose memory speed drifts within minutes) and divides its ITL p50 by their mean."""
     name, conc, limit = setting
     run = reqs[:limit] if limit else reqs
     before = wait_for_quiet(max_cores, wait_s)
+    around = [floor()] if floor and conc == 1 else []
     during = ForeignCpu()
     during.start()
     r = bench_serving.benchmark(url, run, max_concurrency=conc, progress=False)
+    foreign = during.cores()
+    if around:
+        around.append(floor())
     m = r["metrics"]
     out = {
         "foreign_cores_before": before,
-        "foreign_cores_during": during.cores(),
+        "foreign_cores_during": foreign,
         "output_throughput": m["output_throughput"],
         "ttft_ms": m["ttft_ms"],
         "itl_ms": m["itl_ms"],
@@ -202,6 +212,11 @@ def measure_setting(
     print(f"  {name}: {m['output_throughput']:.1f} tok/s, {m['output_tokens']} tokens, "
           f"ITL p50 {m['itl_ms']['p50']:.1f} ms, foreign cores {before:.2f} before, "
           f"{out['foreign_cores_during']:.2f} during", flush=True)  # fmt: skip
+    if around:
+        out["read_floor_around"] = around
+        out["itl_over_floor"] = m["itl_ms"]["p50"] / statistics.mean(f["ms"] for f in around)
+        print(f"  floor {around[0]['ms']:.2f} / {around[1]['ms']:.2f} ms just before / after: "
+              f"ITL p50 {out['itl_over_floor']:.2f}x it", flush=True)  # fmt: skip
     return out
 
 
@@ -211,11 +226,12 @@ def measure(
     plan: list[tuple[str, int, int]],
     max_cores: float = 0.3,
     wait_s: float = 600.0,
+    floor: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Warm-up, then each setting in turn (`measure_setting`)."""
     out = warm_up(url, reqs)
     for setting in plan:
-        out[setting[0]] = measure_setting(url, reqs, setting, max_cores, wait_s)
+        out[setting[0]] = measure_setting(url, reqs, setting, max_cores, wait_s, floor)
     return out
 
 
@@ -233,6 +249,7 @@ def interleaved(
     rounds: int,
     max_cores: float,
     wait_s: float,
+    floor: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Both servers up at once, each setting run on one then the other, the order reversed
     every other round: a pair of runs of one setting is a minute or two apart, where a
@@ -247,7 +264,7 @@ def interleaved(
                 if system in servers:
                     print(f"== {system}, round {rnd + 1}", flush=True)
                     runs[system][rnd][setting[0]] = measure_setting(
-                        servers[system], reqs, setting, max_cores, wait_s
+                        servers[system], reqs, setting, max_cores, wait_s, floor
                     )
     return runs
 
@@ -353,17 +370,25 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
     idle = None
     floors = [read_floor(model, a.threads)]
+
+    def floor() -> dict[str, Any]:
+        return read_floor(model, a.threads)
+
     if a.interleave:
         with contextlib.ExitStack() as stack:
             urls = {s: stack.enter_context(server(s)) for s in SYSTEMS if s in systems}
             idle = idle_cores()
             print(f"both servers idle: {idle:.3f} cores", flush=True)
-            runs |= interleaved(urls, reqs, plan, a.rounds, a.max_foreign_cores, a.quiet_wait_s)
+            runs |= interleaved(
+                urls, reqs, plan, a.rounds, a.max_foreign_cores, a.quiet_wait_s, floor
+            )
     else:
         for system in (s for s in order(a.rounds) if s in systems):
             print(f"== {system}", flush=True)
             with server(system) as url:
-                runs[system].append(measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s))
+                runs[system].append(
+                    measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s, floor)
+                )
     floors.append(read_floor(model, a.threads))
     out: dict[str, Any] = {
         "workload": workload.summary(reqs),
@@ -385,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         itl = median_of(runs["subway"], "c1", "itl_ms", "p50")
         out["subway_c1_itl_over_floor"] = itl / floor_ms
         print(f"Subway's single-stream ITL p50 over the floor: {itl / floor_ms:.2f}x")
+        near = statistics.median(r["c1"]["itl_over_floor"] for r in runs["subway"])
+        out["subway_c1_itl_over_adjacent_floor"] = near
+        print(f"... over the floor read just before and after each single-stream run: {near:.2f}x")
     if len(done) == 2:
         out["ratios"] = ratios(runs, names)
         out["token_counts_agree"] = token_agreement(runs, names)
