@@ -369,11 +369,11 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in SYSTEMS}
     idle = None
-    floors = [read_floor(model, a.threads)]
 
     def floor() -> dict[str, Any]:
         return read_floor(model, a.threads)
 
+    floors = [floor()]
     if a.interleave:
         with contextlib.ExitStack() as stack:
             urls = {s: stack.enter_context(server(s)) for s in SYSTEMS if s in systems}
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs[system].append(
                     measure(url, reqs, plan, a.max_foreign_cores, a.quiet_wait_s, floor)
                 )
-    floors.append(read_floor(model, a.threads))
+    floors.append(floor())
     out: dict[str, Any] = {
         "workload": workload.summary(reqs),
         "read_floor": floors,
