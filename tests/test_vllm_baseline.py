@@ -173,3 +173,31 @@ def test_read_floor_reads_as_many_bytes_as_the_model_has(tiny_models) -> None:
     # Read as bfloat16 and as float32 (the same bytes); the floor is the faster read.
     assert set(out["ms_by_view"]) == {"bfloat16", "float32"}
     assert out["ms"] == min(out["ms_by_view"].values())
+
+
+def test_single_stream_itl_is_divided_by_the_floor_read_around_it(monkeypatch) -> None:
+    """The floor is read just before and after a c1 run (not around others), and the run's
+    ITL p50 is divided by the mean of those two readings."""
+    events: list[str] = []
+    metrics = {
+        "output_throughput": 50.0, "ttft_ms": {}, "itl_ms": {"p50": 18.0}, "tpot_ms": {},
+        "completed": 1, "failed": 0, "output_tokens": 4, "usage_reported": True,
+    }  # fmt: skip
+
+    def bench(*args: Any, **kw: Any) -> dict[str, Any]:
+        events.append("run")
+        return {"metrics": metrics, "requests": [{"output_tokens": 4}]}
+
+    def floor() -> dict[str, float]:
+        events.append("floor")
+        return {"ms": 10.0 if events.count("floor") % 2 else 14.0}
+
+    monkeypatch.setattr(vs_vllm.bench_serving, "benchmark", bench)
+    monkeypatch.setattr(vs_vllm, "wait_for_quiet", lambda max_cores, within_s: 0.0)
+    reqs = [Request("r", "p", 1, 4)]
+    many = vs_vllm.measure_setting("u", reqs, ("c4", 4, 0), floor=floor)
+    assert events == ["run"] and "itl_over_floor" not in many
+    one = vs_vllm.measure_setting("u", reqs, ("c1", 1, 1), floor=floor)
+    assert events == ["run", "floor", "run", "floor"]
+    assert [f["ms"] for f in one["read_floor_around"]] == [10.0, 14.0]
+    assert one["itl_over_floor"] == pytest.approx(18.0 / 12.0)
