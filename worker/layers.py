@@ -73,7 +73,7 @@ def linear(
     otherwise add one."""
     rows = x.shape[0]
     if small is not None and rows <= small_rows and x.is_contiguous():
-        return small(x, weight if small_weight is None else small_weight, bias)
+        return small(x, small_read(weight, small_weight), bias)
     if packed is None:
         return F.linear(x, weight, bias)
     dtype = x.dtype
@@ -111,8 +111,8 @@ class PackedLinear(nn.Module):
     int8: Int8Linear | ScaledLinear | None = None
 
     def small_read(self) -> torch.Tensor:
-        """The tensor that `small` reads: `small_weight`, else `weight`."""
-        return self.weight if self.small_weight is None else self.small_weight
+        """The tensor that `small` reads (`small_read`)."""
+        return small_read(self.weight, self.small_weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this layer's weight, plus `bias` when given: int8, packed or plain."""
@@ -161,6 +161,12 @@ class PackedLinear(nn.Module):
         if self.packed is None:
             self.wide = False
         return self.packed is not None
+
+
+def small_read(weight: torch.Tensor, small_weight: torch.Tensor | None) -> torch.Tensor:
+    """The tensor the few-row linear reads: the weight in its own layout where it has one
+    (`small_layout`), else the weight itself."""
+    return weight if small_weight is None else small_weight
 
 
 def small_layout(w: torch.Tensor, small_pack: Callable | None) -> torch.Tensor | None:

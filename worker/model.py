@@ -27,6 +27,7 @@ from subway.worker.layers import (
     linear,
     pack_weight,
     small_layout,
+    small_read,
 )
 from subway.worker.model_arch import ModelArch
 from subway.worker.parallel import TensorParallel
@@ -284,8 +285,7 @@ class CausalLM(nn.Module):
         """The weights that the few-row linear reads (after `pack_weights`)."""
         out = [m.small_read() for m in self.modules() if isinstance(m, PackedLinear) and m.small]
         if self.lm_head_small is not None:
-            lm = self.lm_head_small_weight
-            out.append(self.lm_head if lm is None else lm)
+            out.append(small_read(self.lm_head, self.lm_head_small_weight))
         return out
 
     # ------------------------------------------------------------------ weights
