@@ -57,7 +57,7 @@ from subway.ipc.messages import (
 )
 from subway.ipc.peers import RECHECK_S, Refusals, process_alive, this_host
 from subway.ipc.shm import TokenBuffer, resolve
-from subway.ipc.sockets import Sockets, cleanup_ipc
+from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
 from subway.scheduler.checks import check_add, ids_in_vocab
 from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.handoff import Imports, Leases
@@ -198,18 +198,11 @@ class SchedulerLoop:
             ranks = workers.ready_ranks()
             if ranks is not None:
                 self._start(ranks)
-        while True:
-            try:
-                data = self.requests.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._on_request(data)
+        while has_message(self.requests):
+            self._on_request(self.requests.recv(zmq.NOBLOCK))
         disconnected = False
-        while True:
-            try:
-                self.frontend_monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        while has_message(self.frontend_monitor):
+            self.frontend_monitor.recv_multipart(zmq.NOBLOCK)
             disconnected = True
         peer = self.frontend_peer
         if peer is None:

@@ -45,7 +45,7 @@ from subway.ipc.messages import (
 )
 from subway.ipc.peers import Refusals, process_alive
 from subway.ipc.shm import TokenBuffer, resolve
-from subway.ipc.sockets import Sockets, cleanup_ipc
+from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
 
 log = logging.getLogger("subway.scheduler")
 
@@ -134,12 +134,8 @@ class WorkerLink:
         """Read every subscription change and worker message there is, without blocking;
         then judge the workers' health (their pids, the oldest plan's progress)."""
         for sock, handle in ((self.plans, self._on_subscription), (self.results, self._on_msg)):
-            while self.failure is None:
-                try:
-                    data = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                handle(data)
+            while self.failure is None and has_message(sock):
+                handle(sock.recv(zmq.NOBLOCK))
         now = time.monotonic()
         if self.failure is None and now - self._peers_checked_at >= PEER_CHECK_S:
             self._check_peers()

@@ -854,6 +854,50 @@ async def _ready_client(config: EngineConfig) -> EngineClient:
     return client
 
 
+def test_the_link_reads_a_burst_past_its_batch_garbage_and_a_failing_handler(tmp_path):
+    """The scheduler link reads its PULL socket from the loop's own reader, at most
+    READ_BATCH messages a turn: a burst of three batches' worth arrives whole and in order,
+    an undecodable message is refused and counted, and a message whose handling raises
+    leaves the rest to be read."""
+    from subway.frontend.scheduler_link import SchedulerLink
+
+    config = EngineConfig.build(run_dir=str(tmp_path))
+    got: list[str] = []
+
+    def on_deltas(deltas: list[RequestDelta]) -> None:
+        if deltas[0].request_id == "boom":
+            raise RuntimeError("a handler's bug")
+        got.extend(d.request_id for d in deltas)
+
+    async def main() -> None:
+        link = SchedulerLink(config, on_deltas, lambda e: None)
+        link.start()
+        ctx = zmq.Context()
+        push = connect(ctx, zmq.PUSH, config.ipc.frontend_addr)
+        try:
+            n = 3 * link.READ_BATCH
+            codec = Codec(ToFrontend)
+            for i in range(n):
+                if i == 10:
+                    push.send(b"\xc1 not a message")
+                if i == 20:
+                    push.send(codec.encode(Deltas([RequestDelta("boom", [1])])))
+                push.send(codec.encode(Deltas([RequestDelta(f"r{i}", [i])])))
+            for _ in range(500):
+                if len(got) == n:
+                    break
+                await asyncio.sleep(0.01)
+            assert got == [f"r{i}" for i in range(n)]
+            assert link.rejected == 1
+        finally:
+            push.close(0)
+            ctx.term()
+            await link.stop_tasks()
+            link.close()
+
+    asyncio.run(main())
+
+
 def test_admission_counts_the_queue_a_plan_passed_over_not_fresh_arrivals():
     """The 429 bound weighs the scheduler's `num_queued`. Its `num_waiting` also holds
     arrivals that came while a plan was in flight; counting those refused a request that
