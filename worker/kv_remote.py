@@ -31,7 +31,7 @@ import zmq
 
 from subway.ipc.config import KV_ADDR_RE
 from subway.ipc.messages import KvBlocks, KvFetch, KvImport, KvImported, KvLayout
-from subway.ipc.sockets import Sockets
+from subway.ipc.sockets import Sockets, has_message
 from subway.worker.kv_share import KV_DTYPES, layout_of
 from subway.worker.model import KVCache
 
@@ -72,11 +72,8 @@ class KvServer:
 
     def serve(self) -> None:
         """Answer every ask waiting now."""
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
+        while has_message(self.sock):
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
             if len(frames) != 2:
                 self.refused += 1
                 continue
@@ -203,11 +200,8 @@ class Fetches:
         for sock in self._socks.values():
             if sock not in events:
                 continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
+            while has_message(sock):
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 done = self._answer(frames, caches, now)
                 if done is not None:
                     answers.append(done)
