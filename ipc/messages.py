@@ -175,6 +175,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     sampled_shm: str | None = None  # rank 0: name of the shm buffer it writes sampled ids to
     host: str = ""  # with `pid`: how the scheduler judges this worker's death
+    device: str = ""  # where it runs the model: "cpu" or "cuda" (empty: not said)
 
 
 class StepResult(msgspec.Struct, tag="result", omit_defaults=True):

@@ -72,6 +72,9 @@ LOG_INTERVAL_S = 5.0  # one stats line in the log at most this often, while ther
 POLL_MAX_MS = 100  # longest block in poll, so that a signal is seen soon
 FRONTEND_SILENCE_S = 10 * FRONTEND_HEARTBEAT_S  # a frontend this quiet is gone: abort its work
 DRAIN_QUIET_S = 0.5  # after SIGTERM, idle this long with no frontend message: exit
+# What one more wake of this loop a step costs a CPU worker's step (its threads take every
+# core, so the loop's CPU comes out of theirs): late planning's price (`engine_core.py`).
+CPU_WAKE_COST_S = 0.0003
 DRAIN_GRACE_S = 10.0  # after SIGTERM, exit after shutdown_timeout + this at the latest
 
 
@@ -363,7 +366,11 @@ class SchedulerLoop:
         self.imports = Imports(sched, self.workers.send_import, world) if role == "decode" else None
         sc = config.scheduler
         self.core = EngineCore(
-            sched, self.workers, 2 if sc.overlap else 1, late_planning=sc.late_planning
+            sched,
+            self.workers,
+            2 if sc.overlap else 1,
+            late_planning=sc.late_planning,
+            wake_cost_s=CPU_WAKE_COST_S if rank0.device == "cpu" else 0.0,
         )
         self.ready_msg = EngineReady(
             num_blocks=num_blocks,

@@ -27,6 +27,9 @@ from subway.scheduler.slo import StepCost
 from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
 
+ARRIVAL_WINDOW_S = 2.0  # `arrival_rate` counts the requests added over this long
+MAX_ARRIVALS_KEPT = 4096  # and keeps at most this many stamps (the rate tops out there)
+
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED
@@ -78,6 +81,7 @@ class Scheduler:
         self.preempted_ids: list[int] = []  # preempted, not yet told to workers
         self.pending: list[RequestDelta] = []  # deltas not tied to a step result
         self.deferred: list[tuple[int, RequestDelta]] = []  # (after result of step, delta)
+        self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS_KEPT)  # clock() of each add
         self.planner = Planner(self, config.scheduler)
         self.leases = None  # a prefill engine's `handoff.Leases`
 
@@ -133,6 +137,13 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         return self._by_id.get(request_id)
 
+    def arrival_rate(self) -> float:
+        """Requests added per second over the last `ARRIVAL_WINDOW_S` (by this clock)."""
+        arrivals, since = self._arrivals, self.clock() - ARRIVAL_WINDOW_S
+        while arrivals and arrivals[0] < since:
+            arrivals.popleft()
+        return len(arrivals) / ARRIVAL_WINDOW_S
+
     def engine_stats(self) -> EngineStats:
         return self.stats.snapshot(
             self._num_running, len(self.waiting), self.num_queued, self.block_manager
@@ -142,6 +153,7 @@ class Scheduler:
 
     def add(self, msg: AddRequest, prompt_ids: list[int]) -> None:
         """Queue a request. One that cannot be served finishes at once (a pending delta)."""
+        self._arrivals.append(self.clock())
         n = len(prompt_ids)
         sp = msg.sampling
         reason = None

@@ -307,3 +307,26 @@ def test_late_planning_lets_a_request_arriving_mid_step_join_the_next_step(late)
     admitted_in = [i for i, p in enumerate(core.executor.plans) if second in
                    [ns.seq_id for ns in p.new_seqs]]  # fmt: skip
     assert admitted_in == ([1] if late else [])  # without: only plan 2, not made yet
+
+
+@pytest.mark.parametrize("arrivals", [1, 20])
+def test_late_planning_waits_only_while_arrivals_pay_for_the_wake(arrivals):
+    """Where a wake costs the step (CPU workers), a 10 ms step waits for its late plan only
+    if arrivals are frequent: at 1/s (two in the last 2 s) 1 x 0.01 x 0.01 s is under the
+    0.3 ms wake, so plan 1 goes with plan 0; at 10.5/s (21 in 2 s) it is over: it waits."""
+    t = [100.0]
+    sched = Scheduler(make_config(), 256, 1024, [0], clock=lambda: t[0])
+    sched.step_cost = FixedCost(0.01)
+    core = EngineCore(sched, Held(), 2, late_planning=True, clock=lambda: t[0], wake_cost_s=3e-4)
+    for i in range(arrivals):  # the older ones arrived over the last 2 s, and finished
+        t[0] = 98.01 + i * 0.099
+        add(sched, Req(f"old{i}", [3] * 4, sp(1)), arrival_time=t[0])
+        sched.abort(f"old{i}")
+    t[0] = 100.0
+    add(sched, Req("first", [1] * 4, sp(20)), arrival_time=t[0])
+    if arrivals == 1:
+        assert sched.arrival_rate() == pytest.approx(1.0)  # itself and one other in 2 s
+    assert core.plan() == (1 if arrivals == 20 else 2)
+    assert (core.wake_in() is not None) == (arrivals == 20)
+    t[0] = 102.5  # the stamps age out of the window
+    assert sched.arrival_rate() == 0.0

@@ -136,6 +136,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                     eos_token_ids=runner.eos_token_ids,
                     sampled_shm=sampled.name if sampled is not None else None,
                     host=this_host(),
+                    device=runner.device.type,
                 )
             )
         )
