@@ -27,7 +27,9 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(
     "contexts",
-    [[1, 15, 16, 17, 33, 64, 100, 250], [250, 17]],  # work per sequence; per (sequence, head)
+    # work per sequence; per (sequence, KV head); and one sequence, where fewer KV heads than
+    # two a thread share each sequence's keys, rows and chunks among the threads (AVX2)
+    [[1, 15, 16, 17, 33, 64, 100, 250], [250, 17], [300]],
 )
 def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, contexts):
     gen = torch.Generator().manual_seed(0)
@@ -499,3 +501,28 @@ def test_silu_and_mul_rounds_as_the_reference(rows):
     one_ulp = ref.float().abs() * 2.0**-7  # a bfloat16 ulp is 2^-7 of the value, at most
     assert ((ours.float() - ref.float()).abs() <= one_ulp).all()
     assert (ours == ref).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2)])
+def test_decode_kernel_gives_a_sequence_the_same_bits_alone_and_in_a_batch(heads, kv_heads):
+    """On 2 threads a lone sequence's call (with 3 KV heads or 1, the AVX2 kernel splits its
+    keys, softmax rows and value chunks among the threads) gives the bits the same sequence
+    gets among others (one (sequence, KV head) item to a thread): the work is split another
+    way, every sum is made the same way. Contexts across block and 8-key edges."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, bs, d = 120, 16, 64
+    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(torch.bfloat16)
+    others = torch.randn(4, heads, d, generator=gen).to(torch.bfloat16)
+    with _threads(2):
+        for length in (1, 7, 8, 9, 16, 17, 301, 777):
+            q = torch.randn(1, heads, d, generator=gen).to(torch.bfloat16)
+            blocks = -(-max(length, 90) // bs)  # the batch's longest context
+            table = torch.randperm(num_blocks, generator=gen)[:blocks].int()[None]
+            lens = torch.tensor([length], dtype=torch.int32)
+            alone = ext.paged_decode(q, kc, vc, table, lens, d**-0.5, False)
+            batch = ext.paged_decode(
+                torch.cat([q, others]), kc, vc, table.repeat(5, 1),
+                torch.tensor([length, 5, 40, 3, 90], dtype=torch.int32), d**-0.5, False,
+            )  # fmt: skip
+            assert torch.equal(alone[0], batch[0]), length

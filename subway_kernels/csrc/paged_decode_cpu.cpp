@@ -15,6 +15,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include <omp.h>
 #include "vec_math.h"
 
 // Element loads as float. bfloat16 is the top half of a float32: a shift, which vectorises.
@@ -326,6 +327,106 @@ static inline __m256 widen_i8_8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Fewer (sequence, KV head) items than two a thread (one sequence of SmolLM2's 3 KV heads
+// on 2 threads): one item each would leave a thread idle for a third of the call. Here every
+// thread works on each sequence in turn, in three phases with a barrier between them: the
+// scores of its share of the key blocks (every head), the softmax of its share of the
+// query heads' rows, then its share of the (query head, 8-float chunk) accumulators, each
+// summed over every key in order. Each score, row and chunk is computed exactly as
+// decode_kernel_avx2 computes it (the same chains and lane sums), so the output is the same
+// to the bit; only the work is split another way.
+template <typename T, int NC>
+static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t* tables,
+                            const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                            int64_t BS, int64_t max_blocks, float scale, int64_t threads) {
+  constexpr int64_t D = NC * 8;
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < n; ++s) max_len = std::max<int64_t>(max_len, ctx[s]);
+  std::vector<float> scores(H * max_len);  // shared: each phase reads what others wrote
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    std::vector<float> qf(H * D);
+    std::vector<__m256> part(G * 8);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t L = ctx[s];
+      const int32_t* table = tables + s * max_blocks;
+      const T* qs = q + s * H * D;
+      for (int64_t i = 0; i < H; ++i)
+        for (int c = 0; c < NC; ++c)
+          _mm256_storeu_ps(qf.data() + i * D + c * 8, _mm256_mul_ps(load8(qs + i * D + c * 8), vscale));
+      // Scores: this thread's run of key blocks, every KV head and query head.
+      const int64_t blocks = (L + BS - 1) / BS;
+      const int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t t0 = blk * BS, nt = std::min(BS, L - t0);
+        const T* kb = kc + (int64_t)table[blk] * BS * row;
+        if (blk + 1 < b1)
+          prefetch_block(kc + (int64_t)table[blk + 1] * BS * row, std::min(BS, L - t0 - BS), row,
+                         row * (int64_t)sizeof(T));
+        for (int64_t j0 = 0; j0 < nt; j0 += 8) {
+          const int64_t m = std::min<int64_t>(8, nt - j0);
+          for (int64_t hh = 0; hh < KVH; ++hh) {
+            for (int64_t j = 0; j < 8; ++j) {
+              if (j >= m) {
+                for (int64_t g = 0; g < G; ++g) part[g * 8 + j] = _mm256_setzero_ps();
+                continue;
+              }
+              const T* kr = kb + (j0 + j) * row + hh * D;
+              __m256 kv[NC];
+              for (int c = 0; c < NC; ++c) kv[c] = load8(kr + c * 8);
+              for (int64_t g = 0; g < G; ++g) {
+                const float* qg = qf.data() + (hh * G + g) * D;
+                __m256 a = _mm256_setzero_ps();
+                for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), kv[c], a);
+                part[g * 8 + j] = a;
+              }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              alignas(32) float sums[8];
+              _mm256_store_ps(sums, sum_lanes8(part.data() + g * 8));
+              float* sc = scores.data() + (hh * G + g) * L + t0 + j0;
+              for (int64_t j = 0; j < m; ++j) sc[j] = sums[j];
+            }
+          }
+        }
+      }
+#pragma omp barrier
+      for (int64_t i = H * tid / nth; i < H * (tid + 1) / nth; ++i) softmax8(scores.data() + i * L, L);
+#pragma omp barrier
+      // Values: this thread's run of (query head, chunk) accumulators, over every key.
+      const int64_t c0 = H * NC * tid / nth, c1 = H * NC * (tid + 1) / nth;
+      T* os = out + s * H * D;
+      for (int64_t ic = c0; ic < c1;) {
+        const int64_t i = ic / NC, hh = i / G, cb = ic % NC;
+        const int64_t ce = std::min<int64_t>(NC, cb + (c1 - ic));  // chunks [cb, ce) of head i
+        const float* p = scores.data() + i * L;
+        __m256 a[NC];
+        for (int64_t c = cb; c < ce; ++c) a[c] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t t0 = blk * BS, nt = std::min(BS, L - t0);
+          const T* vb = vc + (int64_t)table[blk] * BS * row + hh * D;
+          for (int64_t j = 0; j < nt; ++j) {
+            const __m256 pj = _mm256_set1_ps(p[t0 + j]);
+            for (int64_t c = cb; c < ce; ++c)
+              a[c] = _mm256_fmadd_ps(pj, load8(vb + j * row + c * 8), a[c]);
+          }
+        }
+        for (int64_t c = cb; c < ce; ++c) {
+          alignas(32) float v[8];
+          _mm256_store_ps(v, a[c]);
+          for (int d = 0; d < 8; ++d) os[i * D + c * 8 + d] = static_cast<T>(v[d]);
+        }
+        ic += ce - cb;
+      }
+#pragma omp barrier
+    }
+  }
+}
+
 // C is the cache's element: T, or int8_t for the 8-bit cache (`--kv-cache-dtype int8`), whose
 // rows are head_dim values and then their float32 scale (paged_decode_int8_cpu.cpp). Its
 // rows are widened into the same float tile; each key's scale then multiplies its scores,
@@ -340,6 +441,11 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
   const int64_t G = H / KVH;
   const int64_t row = KVH * W;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if constexpr (!kInt8) {
+    if (threads > 1 && n * KVH < 2 * threads && KVH % threads != 0)
+      return decode_few_avx2<T, NC>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks,
+                                    scale, threads);
+  }
   const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
   const int64_t hp = KVH / split;                     // KV heads per item
   const int64_t items = n * split;
