@@ -327,6 +327,36 @@ static inline __m256 widen_i8_8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The scores of m (<= 8) keys, rows `row` apart from `kr0` (one KV head's part), against
+// that KV head's G query heads (`qf`, rows of NC * 8 floats, pre-scaled): each key row
+// widened once into registers, one FMA chain per key and query head, then an 8-key lane-sum
+// tree; into out[g * L + j]. `part` holds G * 8 vectors. Both AVX2 paths' scores, one way.
+template <typename T, int NC>
+static inline void key_scores8(const T* kr0, int64_t row, int64_t m, const float* qf, int64_t G,
+                               __m256* part, float* out, int64_t L) {
+  constexpr int64_t D = NC * 8;
+  for (int64_t j = 0; j < 8; ++j) {
+    if (j >= m) {
+      for (int64_t g = 0; g < G; ++g) part[g * 8 + j] = _mm256_setzero_ps();
+      continue;
+    }
+    const T* kr = kr0 + j * row;
+    __m256 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = load8(kr + c * 8);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m256 a = _mm256_setzero_ps();
+      for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), kv[c], a);
+      part[g * 8 + j] = a;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, sum_lanes8(part + g * 8));
+    for (int64_t j = 0; j < m; ++j) out[g * L + j] = sums[j];
+  }
+}
+
 // Fewer (sequence, KV head) items than two a thread (one sequence of SmolLM2's 3 KV heads
 // on 2 threads): one item each would leave a thread idle for a third of the call. Here every
 // thread works on each sequence in turn, in three phases with a barrier between them: the
@@ -369,29 +399,9 @@ static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t*
                          row * (int64_t)sizeof(T));
         for (int64_t j0 = 0; j0 < nt; j0 += 8) {
           const int64_t m = std::min<int64_t>(8, nt - j0);
-          for (int64_t hh = 0; hh < KVH; ++hh) {
-            for (int64_t j = 0; j < 8; ++j) {
-              if (j >= m) {
-                for (int64_t g = 0; g < G; ++g) part[g * 8 + j] = _mm256_setzero_ps();
-                continue;
-              }
-              const T* kr = kb + (j0 + j) * row + hh * D;
-              __m256 kv[NC];
-              for (int c = 0; c < NC; ++c) kv[c] = load8(kr + c * 8);
-              for (int64_t g = 0; g < G; ++g) {
-                const float* qg = qf.data() + (hh * G + g) * D;
-                __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), kv[c], a);
-                part[g * 8 + j] = a;
-              }
-            }
-            for (int64_t g = 0; g < G; ++g) {
-              alignas(32) float sums[8];
-              _mm256_store_ps(sums, sum_lanes8(part.data() + g * 8));
-              float* sc = scores.data() + (hh * G + g) * L + t0 + j0;
-              for (int64_t j = 0; j < m; ++j) sc[j] = sums[j];
-            }
-          }
+          for (int64_t hh = 0; hh < KVH; ++hh)
+            key_scores8<T, NC>(kb + j0 * row + hh * D, row, m, qf.data() + hh * G * D, G,
+                               part.data(), scores.data() + hh * G * L + t0 + j0, L);
         }
       }
 #pragma omp barrier
@@ -502,29 +512,9 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
           // of three alternating builds; 2-core AVX2 EPYC, docs/BENCHMARKS.md).
           for (int64_t j0 = 0; j0 < nt; j0 += 8) {
             const int64_t m = std::min<int64_t>(8, nt - j0);
-            for (int64_t hh = 0; hh < hp; ++hh) {
-              for (int64_t j = 0; j < 8; ++j) {
-                if (j >= m) {
-                  for (int64_t g = 0; g < G; ++g) part[g * 8 + j] = _mm256_setzero_ps();
-                  continue;
-                }
-                const C* kr = kb + (j0 + j) * row + hh * W;
-                __m256 kv[NC];
-                for (int c = 0; c < NC; ++c) kv[c] = load8(kr + c * 8);
-                for (int64_t g = 0; g < G; ++g) {
-                  const float* qg = qf.data() + (hh * G + g) * D;
-                  __m256 a = _mm256_setzero_ps();
-                  for (int c = 0; c < NC; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), kv[c], a);
-                  part[g * 8 + j] = a;
-                }
-              }
-              for (int64_t g = 0; g < G; ++g) {
-                alignas(32) float sums[8];
-                _mm256_store_ps(sums, sum_lanes8(part.data() + g * 8));
-                float* sc = scores.data() + (hh * G + g) * L + t0 + j0;
-                for (int64_t j = 0; j < m; ++j) sc[j] = sums[j];
-              }
-            }
+            for (int64_t hh = 0; hh < hp; ++hh)
+              key_scores8<C, NC>(kb + j0 * row + hh * W, row, m, qf.data() + hh * G * D, G,
+                                 part.data(), scores.data() + hh * G * L + t0 + j0, L);
           }
           continue;
         }
