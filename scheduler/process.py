@@ -72,10 +72,10 @@ LOG_INTERVAL_S = 5.0  # one stats line in the log at most this often, while ther
 POLL_MAX_MS = 100  # longest block in poll, so that a signal is seen soon
 FRONTEND_SILENCE_S = 10 * FRONTEND_HEARTBEAT_S  # a frontend this quiet is gone: abort its work
 DRAIN_QUIET_S = 0.5  # after SIGTERM, idle this long with no frontend message: exit
+DRAIN_GRACE_S = 10.0  # after SIGTERM, exit after shutdown_timeout + this at the latest
 # What one more wake of this loop a step costs a CPU worker's step (its threads take every
 # core, so the loop's CPU comes out of theirs): late planning's price (`engine_core.py`).
 CPU_WAKE_COST_S = 0.0003
-DRAIN_GRACE_S = 10.0  # after SIGTERM, exit after shutdown_timeout + this at the latest
 
 
 def run_scheduler(config: EngineConfig) -> int:
