@@ -27,7 +27,7 @@ from subway.scheduler.slo import StepCost
 from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
 
-ARRIVAL_WINDOW_S = 2.0  # `arrival_rate` counts the requests added over this long
+ARRIVAL_WINDOW_S = 2.0  # `arrival_rate` counts the requests queued over this long
 MAX_ARRIVALS_KEPT = 4096  # and keeps at most this many stamps (the rate tops out there)
 
 _WAITING = RequestStatus.WAITING
@@ -138,7 +138,7 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def arrival_rate(self) -> float:
-        """Requests added per second over the last `ARRIVAL_WINDOW_S` (by this clock)."""
+        """Requests queued per second over the last `ARRIVAL_WINDOW_S` (by this clock)."""
         arrivals, since = self._arrivals, self.clock() - ARRIVAL_WINDOW_S
         while arrivals and arrivals[0] < since:
             arrivals.popleft()
@@ -153,7 +153,6 @@ class Scheduler:
 
     def add(self, msg: AddRequest, prompt_ids: list[int]) -> None:
         """Queue a request. One that cannot be served finishes at once (a pending delta)."""
-        self._arrivals.append(self.clock())
         n = len(prompt_ids)
         sp = msg.sampling
         reason = None
@@ -171,6 +170,7 @@ class Scheduler:
         if reason is not None:
             self.pending.append(RequestDelta(msg.request_id, [], reason, num_prompt_tokens=n))
             return
+        self._arrivals.append(self.clock())  # one a step could take (`arrival_rate`)
         if sp.ignore_eos:
             stop_ids = frozenset(sp.stop_token_ids)
         elif sp.stop_token_ids:
