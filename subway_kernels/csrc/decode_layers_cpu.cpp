@@ -63,7 +63,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
               "decode_layers: ", kBiases, " scales a layer under int8, none otherwise");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_layers: h is [rows, hidden]");
   const int64_t n = h.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
-  const bool ext_silu = silu_and_mul_supported();
+  // As dispatch's silu_and_mul chooses: the compiled one takes bfloat16 only (a float32
+  // model's decode comes here under int8).
+  const bool ext_silu = silu_and_mul_supported() && h.scalar_type() == at::kBFloat16;
   auto bias = [&](int64_t i) -> c10::optional<torch::Tensor> {
     const torch::Tensor& b = biases[i];
     return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt;
