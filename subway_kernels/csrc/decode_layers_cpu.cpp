@@ -102,7 +102,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
     const torch::Tensor o = linear(att.view({n, qs}), l, 1, w[2]);
     auto r = rms_norm(o, residual, w[3], eps);
     residual = r[1];
-    // MLP.forward, with dispatch's silu_and_mul: the compiled one where it was built, else
+    // MLP.forward, with dispatch's silu_and_mul: the compiled one (AVX512-BF16 or AVX2), else
     // the reference's ops (silu of the gate half, times the up half).
     const torch::Tensor gu = linear(r[0], l, 2, w[4]);
     const int64_t inter = gu.size(1) / 2;

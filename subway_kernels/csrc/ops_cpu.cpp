@@ -242,9 +242,63 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 bool silu_and_mul_supported() { return true; }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "vec_math.h"
+
+// 8 floats to bfloat16 bits, round to nearest even and NaN to 0x7fc0, as torch's cast
+// (Raw<BFloat16>::put on 8 lanes).
+static inline __m128i narrow8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  // packus interleaves the 128-bit lanes: [r0-3 r0-3 | r4-7 r4-7]; the permute gathers r0-7.
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+// silu(g) * u on 8 lanes, rounded as the AVX-512 build rounds (the same exp polynomial,
+// division and roundings, so the same bits).
+static inline void silu_mul8(const uint16_t* g, const uint16_t* u, uint16_t* dst) {
+  const __m256 gv = widen_bf16_8(g);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+  const __m128i s16 = narrow8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), narrow8(_mm256_mul_ps(s, widen_bf16_8(u))));
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "silu_and_mul: [rows, 2n] bfloat16");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) == 2 * n, "silu_and_mul: an odd width");
+  auto out = torch::empty({rows, n}, x.options());
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* g = in + r * 2 * n;
+      const uint16_t* u = g + n;
+      uint16_t* dst = o + r * n;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) silu_mul8(g + j, u + j, dst + j);
+      if (j < n) {  // a ragged tail: the same code on a zero-padded copy
+        uint16_t gt[8] = {0}, ut[8] = {0}, ot[8];
+        std::memcpy(gt, g + j, (n - j) * sizeof(uint16_t));
+        std::memcpy(ut, u + j, (n - j) * sizeof(uint16_t));
+        silu_mul8(gt, ut, ot);
+        std::memcpy(dst + j, ot, (n - j) * sizeof(uint16_t));
+      }
+    }
+  });
+  return out;
+}
+bool silu_and_mul_supported() { return true; }
 #else
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(false, "silu_and_mul: built without AVX512-BF16");
+  TORCH_CHECK(false, "silu_and_mul: built without AVX512-BF16 or AVX2");
   return x;
 }
 bool silu_and_mul_supported() { return false; }
