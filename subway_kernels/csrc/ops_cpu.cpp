@@ -213,35 +213,20 @@ static inline __m256i narrow(__m512 v) {  // round to nearest even, as torch's b
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
 
-// silu(gate) * up for a merged gate|up projection, bfloat16 rows [rows, 2n] -> [rows, n],
-// rounded where the reference (F.silu(gate) * up) rounds: silu to bfloat16, then the product.
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "silu_and_mul: [rows, 2n] bfloat16");
-  x = x.contiguous();
-  const int64_t rows = x.size(0), n = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) == 2 * n, "silu_and_mul: an odd width");
-  auto out = torch::empty({rows, n}, x.options());
-  const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* g = in + r * 2 * n;
-      const uint16_t* u = g + n;
-      uint16_t* dst = o + r * n;
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1u);
-        const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(k, g + j));
-        const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(k, u + j));
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = widen_bf16(narrow(_mm512_div_ps(gv, _mm512_add_ps(one, e))));
-        _mm256_mask_storeu_epi16(dst + j, k, narrow(_mm512_mul_ps(s, uv)));
-      }
-    }
-  });
-  return out;
+// One row of silu(gate) * up, rounded where the reference (F.silu(gate) * up) rounds: silu
+// to bfloat16, then the product.
+static void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* dst, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(k, g + j));
+    const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(k, u + j));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 s = widen_bf16(narrow(_mm512_div_ps(gv, _mm512_add_ps(one, e))));
+    _mm256_mask_storeu_epi16(dst + j, k, narrow(_mm512_mul_ps(s, uv)));
+  }
 }
-bool silu_and_mul_supported() { return true; }
+#define SUBWAY_SILU_AND_MUL 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "vec_math.h"
 
@@ -269,6 +254,22 @@ static inline void silu_mul8(const uint16_t* g, const uint16_t* u, uint16_t* dst
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), narrow8(_mm256_mul_ps(s, widen_bf16_8(u))));
 }
 
+static void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) silu_mul8(g + j, u + j, dst + j);
+  if (j < n) {  // a ragged tail: the same code on a zero-padded copy
+    uint16_t gt[8] = {0}, ut[8] = {0}, ot[8];
+    std::memcpy(gt, g + j, (n - j) * sizeof(uint16_t));
+    std::memcpy(ut, u + j, (n - j) * sizeof(uint16_t));
+    silu_mul8(gt, ut, ot);
+    std::memcpy(dst + j, ot, (n - j) * sizeof(uint16_t));
+  }
+}
+#define SUBWAY_SILU_AND_MUL 1
+#endif
+
+#ifdef SUBWAY_SILU_AND_MUL
+// silu(gate) * up for a merged gate|up projection, bfloat16 rows [rows, 2n] -> [rows, n].
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "silu_and_mul: [rows, 2n] bfloat16");
   x = x.contiguous();
@@ -278,20 +279,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* g = in + r * 2 * n;
-      const uint16_t* u = g + n;
-      uint16_t* dst = o + r * n;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) silu_mul8(g + j, u + j, dst + j);
-      if (j < n) {  // a ragged tail: the same code on a zero-padded copy
-        uint16_t gt[8] = {0}, ut[8] = {0}, ot[8];
-        std::memcpy(gt, g + j, (n - j) * sizeof(uint16_t));
-        std::memcpy(ut, u + j, (n - j) * sizeof(uint16_t));
-        silu_mul8(gt, ut, ot);
-        std::memcpy(dst + j, ot, (n - j) * sizeof(uint16_t));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(in + r * 2 * n, in + r * 2 * n + n, o + r * n, n);
   });
   return out;
 }
