@@ -39,7 +39,6 @@ Subway's edf can also cap batch prefill chunks for the TPOT SLO: add
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -51,6 +50,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import uvloop
 
 from subway.tools.bench import bench_serving, compare, vs_vllm, workload
 from subway.tools.bench.bench_serving import Record, Slo, stats_ms
@@ -254,7 +254,7 @@ def run_point(
     before = scrape_counters(url)  # vLLM's too: vllm:num_preemptions_total
     during = vs_vllm.ForeignCpu()
     during.start()
-    records, duration = asyncio.run(
+    records, duration = uvloop.run(  # as bench_serving.benchmark runs its client
         bench_serving.run_requests(
             url, requests, timeout=timeout, progress=False, slo_fields=engine == "subway"
         )
