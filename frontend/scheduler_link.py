@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from subway.frontend.errors import public_reason
+from subway.frontend.errors import APIError, public_reason
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     FRONTEND_HEARTBEAT_S,
@@ -79,7 +79,7 @@ class SchedulerLink:
         self._last_seen = 0.0
         self.rejected = 0  # undecodable messages from the scheduler's side
         self._codec_out = Codec(ToScheduler)
-        self._codec_in = Codec(ToFrontend)
+        self._codec_in = Codec(ToFrontend, config.ipc.max_message_bytes)
         self._ctx: zmq.asyncio.Context | None = None
         self._socks: Sockets | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -159,7 +159,13 @@ class SchedulerLink:
     def send(self, msg: msgspec.Struct) -> None:
         if self._push is None:
             raise EngineDeadError("the engine client is closed")
-        fut = self._push.send(self._codec_out.encode(msg), zmq.NOBLOCK)
+        data = self._codec_out.encode(msg)
+        limit = self.config.ipc.max_message_bytes
+        if len(data) > limit:  # the scheduler would refuse it: the request would never end
+            raise APIError(
+                400, f"the request is {len(data)} bytes as the engine sends it (at most {limit})"
+            )
+        fut = self._push.send(data, zmq.NOBLOCK)
         if fut.done() and fut.exception() is not None:
             raise EngineDeadError(f"cannot reach the scheduler: {fut.exception()}")
 

@@ -5,8 +5,8 @@ msgspec as MessagePack. Each socket direction has its own tagged union, so a
 receiver decodes exactly the messages it may get and nothing else.
 
     frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello, FrontendAlive)
-    workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError, KvImported)
-    scheduler -> workers   : ToWorker      (Plan, Shutdown, KvImport)
+    workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError, KvImported, GrammarReady)
+    scheduler -> workers   : ToWorker      (Plan, Shutdown, KvImport, GrammarPrepare, GrammarRelease)
     decode worker <-> prefill worker, across hosts: KvFetch, KvBlocks and raw frames
     scheduler -> frontend  : ToFrontend    (EngineReady, Deltas, EngineError)
 
@@ -16,6 +16,8 @@ different hosts (or the buffer is full).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 
@@ -48,6 +50,17 @@ class Grammar(msgspec.Struct, array_like=True, frozen=True):
     # JSON kinds: no free whitespace (", " and ": " only, as json.dumps writes it), vLLM's
     # disable_any_whitespace; small models otherwise can spend max_tokens on whitespace.
     compact: bool = False
+    # Set by the scheduler in the `NewSeq` it sends (with `spec` emptied): the grammar's
+    # `grammar_key`, whose text reached the workers once, in a `GrammarPrepare`.
+    key: int = 0
+
+
+def grammar_key(g: Grammar) -> int:
+    """A grammar's content hash (63 bits, never 0): its name on the workers."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{g.kind}\0{int(g.compact)}\0".encode())
+    h.update(g.spec.encode("utf-8", "surrogatepass"))
+    return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -106,6 +119,12 @@ class KvLease(msgspec.Struct, array_like=True):
     lease_id: int
     source: str
     blocks: list[int]
+    # Its place in the prefill engine's lease table (`worker/kv_share.py`, `LeaseTable`):
+    # a copy is good only if the table still holds `generation` at `slot` after it, in the
+    # table of that engine's `incarnation` (a restarted engine has another).
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0
 
 
 LEASE_S = 30.0  # a lease nobody released is freed after this long
@@ -219,7 +238,16 @@ class KvImported(msgspec.Struct, tag="kv_imported", omit_defaults=True):
     error: str = ""
 
 
-FromWorker = WorkerReady | StepResult | WorkerError | KvImported
+class GrammarReady(msgspec.Struct, tag="grammar_ready", omit_defaults=True):
+    """Rank 0's answer to a `GrammarPrepare`: compiled (`ok`), or not within the compile
+    time limit or not at all (`error` says why; its requests end with an error)."""
+
+    key: int
+    ok: bool
+    error: str = ""
+
+
+FromWorker = WorkerReady | StepResult | WorkerError | KvImported | GrammarReady
 
 
 # ---------------------------------------------------------------- scheduler -> workers
@@ -284,9 +312,28 @@ class KvImport(msgspec.Struct, tag="kv_import"):
     source: str
     src_blocks: list[int]
     dst_blocks: list[int]
+    # The lease's `slot`, `generation` and `incarnation` (`KvLease`): checked after the copy.
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0
 
 
-ToWorker = Plan | Shutdown | KvImport
+class GrammarPrepare(msgspec.Struct, tag="grammar"):
+    """Compile `grammar` (rank 0) and answer with a `GrammarReady`: each grammar's text
+    crosses to the workers once, however many sequences use it; `NewSeq`s name it by `key`
+    (`grammar_key`). The workers keep it until a `GrammarRelease` names it."""
+
+    key: int
+    grammar: Grammar
+
+
+class GrammarRelease(msgspec.Struct, tag="grammar_release"):
+    """No live request uses these grammars any more (sequences already made keep theirs)."""
+
+    keys: list[int]
+
+
+ToWorker = Plan | Shutdown | KvImport | GrammarPrepare | GrammarRelease
 
 
 # ------------------------------------------- decode worker <-> prefill worker (other hosts)
@@ -316,10 +363,14 @@ class KvLayout(msgspec.Struct, frozen=True):
 
 class KvFetch(msgspec.Struct, tag="kv_fetch"):
     """A decode worker asks the prefill worker of its rank for blocks of that worker's
-    caches (leased, so unchanging): worker/kv_remote.py."""
+    caches, under a lease that the server checks after reading them: worker/kv_remote.py."""
 
     fetch_id: int
     blocks: list[int]
+    # The lease the blocks are asked under (`KvLease`): the server answers only while it holds.
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0
 
 
 class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
@@ -435,15 +486,26 @@ class EngineError(msgspec.Struct, tag="engine_error"):
 ToFrontend = EngineReady | Deltas | EngineError
 
 
-class Codec:
-    """A MessagePack encoder plus a decoder for one socket direction's union."""
+class OversizedFrame(msgspec.DecodeError):
+    """A frame over the receiver's size limit: refused (and counted) like a malformed one."""
 
-    def __init__(self, union: object) -> None:
+
+class Codec:
+    """A MessagePack encoder plus a decoder for one socket direction's union.
+
+    `max_bytes` bounds what `decode` accepts: the sockets themselves carry no size limit
+    (ZMQ_MAXMSGSIZE would drop the sender's whole link for one large frame), so the
+    check is here, where a refusal costs only that frame."""
+
+    def __init__(self, union: object, max_bytes: int = 0) -> None:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(union)
+        self.max_bytes = max_bytes  # 0: no limit
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         return self.encoder.encode(msg)
 
     def decode(self, data: bytes):
+        if self.max_bytes and len(data) > self.max_bytes:
+            raise OversizedFrame(f"a frame of {len(data)} bytes (limit {self.max_bytes})")
         return self.decoder.decode(data)

@@ -35,9 +35,11 @@ def _prepare(addr: str) -> None:
 
 
 class Sockets:
-    """Makes one process's internal-plane sockets, all in one way: linger 0, every
-    message bounded by `ipc.max_message_bytes` (ZMQ_MAXMSGSIZE: a larger one drops the
-    connection that sent it), and CurveZMQ on every tcp:// address (`ipc/curve.py`): a
+    """Makes one process's internal-plane sockets, all in one way: linger 0, no
+    ZMQ_MAXMSGSIZE (a larger message would drop the whole connection that sent it, and a
+    worker or a scheduler takes a lost link for a dead peer: the receivers' `Codec`s
+    refuse and count a frame over `ipc.max_message_bytes` instead), and CurveZMQ on every
+    tcp:// address (so that only holders of the engine's key can send at all) (`ipc/curve.py`): a
     binding socket is a CURVE server whose ZAP handler admits only the engine's own key, a
     connecting one authenticates with that key. A tcp:// address without a key file is
     refused (ValueError naming --curve-key-file); ipc:// sockets are left as they are, in
@@ -50,9 +52,6 @@ class Sockets:
         self._keys: curve.KeyPair | None = None
         self._auth: curve.Authenticator | None = None
 
-    def _opts(self, opts: dict[str, int]) -> dict[str, int]:
-        return {"MAXMSGSIZE": self.ipc.max_message_bytes, **opts}
-
     def _keypair(self, addr: str) -> curve.KeyPair:
         if self._keys is None:
             self._keys = curve.engine_keys(self.ipc, addr)  # read once per process
@@ -63,7 +62,7 @@ class Sockets:
     ) -> zmq.Socket:
         """`socket_class`: the class to make (default: the context's own)."""
         if not curve.is_tcp(addr):
-            return bind(self.ctx, kind, addr, socket_class, **self._opts(opts))
+            return bind(self.ctx, kind, addr, socket_class, **opts)
         keys = self._keypair(addr)
         if self._auth is None:  # before the bind, so that no handshake goes unchecked
             self._auth = curve.Authenticator(self.ctx, keys.public)
@@ -72,18 +71,18 @@ class Sockets:
             "CURVE_SECRETKEY": keys.secret,
             "ZAP_DOMAIN": curve.ZAP_DOMAIN.encode(),
         }
-        return bind(self.ctx, kind, addr, socket_class, **self._opts(opts), **server)
+        return bind(self.ctx, kind, addr, socket_class, **opts, **server)
 
     def connect(self, kind: int, addr: str, **opts: int) -> zmq.Socket:
         if not curve.is_tcp(addr):
-            return connect(self.ctx, kind, addr, **self._opts(opts))
+            return connect(self.ctx, kind, addr, **opts)
         keys = self._keypair(addr)
         client = {
             "CURVE_SERVERKEY": keys.public,
             "CURVE_PUBLICKEY": keys.public,
             "CURVE_SECRETKEY": keys.secret,
         }
-        return connect(self.ctx, kind, addr, **self._opts(opts), **client)
+        return connect(self.ctx, kind, addr, **opts, **client)
 
     @property
     def denied(self) -> int:

@@ -81,6 +81,10 @@ class Planner:
         self._cap: int | None = None
         self._capped = False
         self._batch_chunks = 0
+        # A plan's NewSeqs stay within half the message limit (the rest is room for the
+        # steps): admission stops before a plan would pass it, so no plan is refused.
+        self.max_new_seq_bytes = sched.config.ipc.max_message_bytes // 2
+        self._new_seq_bytes = 0
 
     def schedule(self) -> Plan | None:
         """The next step's plan, or None if nothing can be scheduled now."""
@@ -98,6 +102,7 @@ class Planner:
         self._cap = None
         self._capped = False
         self._batch_chunks = 0
+        self._new_seq_bytes = 0
         bm = sched.block_manager
         claimed = bm.claimed
         bs = bm.block_size
@@ -283,6 +288,8 @@ class Planner:
             return _SKIPPED, budget
         if not sched.policy.can_admit(req):
             return _SKIPPED, budget
+        if not req.sent and self._new_seq_bytes + req.wire_bytes > self.max_new_seq_bytes:
+            return _BLOCKED, budget  # the plan is full: the next one takes it
         while sched.num_running >= self.max_num_seqs:
             if not self._displace(req, step):
                 return _BLOCKED, budget
@@ -315,6 +322,7 @@ class Planner:
         sched.mark_running(req)
         if not req.sent:
             new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling))
+            self._new_seq_bytes += req.wire_bytes
             req.sent = True
         sample = n == remaining
         self._steps.append(SeqStep(sid, cached, n, table, sample))

@@ -104,7 +104,7 @@ class SchedulerLoop:
         self.frontend = socks.connect(zmq.PUSH, config.ipc.frontend_addr, SNDHWM=0)
         # A frontend that dies leaves requests nobody will read: abort them when it goes.
         self.frontend_monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.in_codec = Codec(ToScheduler)
+        self.in_codec = Codec(ToScheduler, config.ipc.max_message_bytes)
         self.out_codec = Codec(ToFrontend)
         self.sched: Scheduler | None = None
         self.core: EngineCore | None = None
@@ -162,6 +162,7 @@ class SchedulerLoop:
                 timeout = POLL_MAX_MS
                 if self.core is not None:
                     self._handoffs()
+                    self._grammars()
                     self.out += self.core.step()
                     self._flush()
                     self._maybe_log()
@@ -188,6 +189,17 @@ class SchedulerLoop:
                 self.imports.on_answer(answer)
             if self.imports.pending:
                 self.imports.expire(now)
+
+    def _grammars(self) -> None:
+        """Grammars' turn: rank 0's compile answers, overdue ones, and what the workers need
+        to hear (a grammar to compile, grammars to forget) before the next plan."""
+        sched = self.sched
+        assert sched is not None
+        for answer in self.workers.collect_grammars():
+            sched.on_grammar(answer)
+        sched.expire_grammars()
+        for msg in sched.grammars.take_outbox():  # type: ignore[union-attr]
+            self.workers.send_import(msg)
 
     def _drain(self) -> None:
         workers = self.workers
@@ -358,7 +370,9 @@ class SchedulerLoop:
         if config.model.max_model_len > 0:
             max_len = min(max_len, config.model.max_model_len)
         self.workers.start(rank0)
-        sched = self.sched = Scheduler(config, num_blocks, max_len, rank0.eos_token_ids)
+        sched = self.sched = Scheduler(
+            config, num_blocks, max_len, rank0.eos_token_ids, grammars_by_key=True
+        )
         role = config.parallel.role
         if role == "prefill":
             sched.leases = Leases(sched, config.kv_source)

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = 0  # queued, or preempted and queued again; holds no KV blocks
     RUNNING = 1  # admitted: holds KV blocks, gets a prefill chunk or a decode each step
     FINISHED = 2
+    COMPILING = 3  # waits for the workers to compile its grammar (`grammars.py`); holds nothing
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +66,8 @@ class Request:
     speculable: bool = False  # speculative decoding may propose drafts for it (no grammar)
     num_draft: int = 0  # draft tokens of its step in flight (it waits for that result)
     handoff: bool = False  # a prefill engine's: lease its blocks when it ends by length
+    grammar_key: int = 0  # its grammar's key on the workers (`grammars.py`); 0: none, or inline
+    wire_bytes: int = 0  # its NewSeq's encoded size, at most (the planner bounds a plan's)
 
     @property
     def prompt_len(self) -> int:

@@ -11,14 +11,26 @@ the plans, is `engine_core.py`.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import AddRequest, EngineStats, Plan, RequestDelta, StepResult
+from subway.ipc.messages import (
+    AddRequest,
+    EngineStats,
+    GrammarReady,
+    NewSeq,
+    Plan,
+    RequestDelta,
+    StepResult,
+)
 from subway.scheduler.block_manager import TOKEN_TYPE, BlockManager
+from subway.scheduler.grammars import GrammarTable
 from subway.scheduler.planner import Planner
 from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import Request, RequestStatus
@@ -27,12 +39,15 @@ from subway.scheduler.slo import StepCost
 from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
 
+log = logging.getLogger("subway.scheduler")
+
 ARRIVAL_WINDOW_S = 2.0  # `arrival_rate` counts the requests queued over this long
 MAX_ARRIVALS_KEPT = 4096  # and keeps at most this many stamps (the rate tops out there)
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED
+_COMPILING = RequestStatus.COMPILING
 
 
 class Scheduler:
@@ -44,9 +59,13 @@ class Scheduler:
         eos_token_ids: list[int],
         clock: Callable[[], float] = time.time,
         policy: Policy | None = None,
+        grammars_by_key: bool = False,
     ) -> None:
         """`clock` stamps first tokens (and feeds time-dependent policies); it must be on
-        the same scale as requests' `arrival_time` (the frontend's time.time())."""
+        the same scale as requests' `arrival_time` (the frontend's time.time()).
+        `grammars_by_key`: send each grammar to the workers once and hold its requests until
+        rank 0 has compiled it (`grammars.py`, the worker processes); else each NewSeq
+        carries its grammar whole (a runner in this process compiles it at first sample)."""
         self.config = config
         self.caching = bool(config.cache.enable_prefix_caching)
         self.block_manager = BlockManager(
@@ -84,6 +103,8 @@ class Scheduler:
         self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS_KEPT)  # clock() of each add
         self.planner = Planner(self, config.scheduler)
         self.leases = None  # a prefill engine's `handoff.Leases`
+        self.grammars = GrammarTable(config.server.grammar_timeout) if grammars_by_key else None
+        self._wire = msgspec.msgpack.Encoder()  # sizes NewSeqs (`Request.wire_bytes`)
 
     # ------------------------------------------------------------ counts
 
@@ -123,8 +144,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Something waits, runs, or has a plan in flight."""
-        return bool(self.waiting or self._num_running or self.inflight_steps)
+        """Something waits (for a grammar too), runs, or has a plan in flight."""
+        if self.waiting or self._num_running or self.inflight_steps:
+            return True
+        return self.grammars is not None and self.grammars.holding()
 
     @property
     def has_pending_deltas(self) -> bool:
@@ -193,13 +216,52 @@ class Scheduler:
             speculable=self.speculative is not None and sp.grammar is None,
             handoff=msg.handoff,
         )
+        grammar = None
+        if self.grammars is not None and sp.grammar is not None:
+            req.sampling, grammar, req.grammar_key = GrammarTable.by_key(sp)
+        req.wire_bytes = len(self._wire.encode(NewSeq(req.seq_id, req.prompt_ref, req.sampling)))
+        if req.wire_bytes > self.planner.max_new_seq_bytes:  # no plan could carry it
+            self.pending.append(RequestDelta(msg.request_id, [], "error", num_prompt_tokens=n))
+            return
         self._next_seq_id += 1
         if req.slo_class != "batch":
             self.num_interactive += 1
         self.by_seq[req.seq_id] = req
         self._by_id[msg.request_id] = req
+        held = grammar is not None and self.grammars.hold(req, grammar, self.clock())
+        if held:
+            req.status = _COMPILING
+            return
         self.enqueue(req)
         self._unplanned += 1
+
+    def on_grammar(self, msg: GrammarReady) -> None:
+        """Rank 0 compiled a grammar (its requests join the queue) or could not (they end
+        with an error)."""
+        assert self.grammars is not None
+        ready, failed, why = self.grammars.answer(msg)
+        self._release_held(ready, failed, why)
+
+    def expire_grammars(self) -> None:
+        """End the requests whose grammar's compile rank 0 has not answered in time."""
+        if self.grammars is not None and self.grammars.entries:
+            late = self.grammars.overdue(self.clock())
+            self._release_held([], late, "the grammar's compile took too long")
+
+    def _release_held(self, ready: list[Request], failed: list[Request], why: str) -> None:
+        for req in ready:
+            if req.status is _COMPILING:
+                req.status = _WAITING
+                self.enqueue(req)
+                self._unplanned += 1
+        for req in failed:
+            if req.status is _COMPILING:
+                self.pending.append(
+                    RequestDelta(req.request_id, [], "error", num_prompt_tokens=req.prompt_len)
+                )
+                self.finish(req)
+        if failed:
+            log.warning("%d request(s) end with an error: %s", len(failed), why[:500])
 
     def abort(self, request_id: str) -> None:
         """Drop a request. Its "abort" delta goes out once no sent plan can still read its prompt."""
@@ -285,6 +347,8 @@ class Scheduler:
                 self.cache_blocks(req, req.num_computed_tokens)  # for later turns of a chat
             self.block_manager.free(req.seq_id)
             req.num_slots = 0
+        elif req.status is _COMPILING:
+            self.grammars.unhold(req)  # type: ignore[union-attr]
         elif req.status is _WAITING:
             self.waiting.remove(req)
             if req.seq_id in self.preempted_ids:
@@ -297,6 +361,8 @@ class Scheduler:
             self.num_interactive -= 1
         del self.by_seq[req.seq_id]
         del self._by_id[req.request_id]
+        if req.grammar_key:
+            self.grammars.drop(req)  # type: ignore[union-attr]
         if req.sent:
             self.finished_ids.append(req.seq_id)
 

@@ -17,8 +17,17 @@ The engine cannot serve (`failure`) when a worker says so (WorkerError), when
 a known worker process has died (judged by its pid on this host, on any
 unsubscription and every `PEER_CHECK_S`: never by a socket event alone, which
 a stray connection causes too), or when the oldest plan in flight has made no
-progress for `scheduler.step_timeout` seconds (a hung worker: stopped,
-deadlocked in a collective, stuck in a kernel).
+progress for longer than its bound (a hung worker: stopped, deadlocked in a
+collective, stuck in a kernel).
+
+The bound is `--step-timeout` where it is given; by default (0) it follows the
+plan: max(`HUNG_MIN_S`, `HUNG_FACTOR` x the scheduler's `StepCost` prediction
+for that plan), or, before the cost model has seen a few steps, `cold_bound`
+(see `hung_bound`). A hung rank is then declared within seconds of its last
+result (10 s for any plan the model predicts under half a second), and a step
+the model expects to be slow (a long prefill chunk on a loaded CPU) gets twenty
+times what it should take. Nothing is computed for it while the oldest plan is
+younger than the floor: the check costs a subtraction a turn.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     Codec,
     FromWorker,
+    GrammarPrepare,
+    GrammarReady,
+    GrammarRelease,
     KvImport,
     KvImported,
     Plan,
@@ -46,11 +58,54 @@ from subway.ipc.messages import (
 from subway.ipc.peers import Refusals, process_alive
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
+from subway.scheduler.slo import StepCost
 
 log = logging.getLogger("subway.scheduler")
 
 LINGER_MS = 1000  # time left to deliver Shutdown on close
 PEER_CHECK_S = 1.0  # how often the workers' pids are checked
+HUNG_MIN_S = 10.0  # the adaptive bound on a step's progress: at least this,
+HUNG_FACTOR = 20.0  # and at least this many times the step's predicted time
+COLD_S = 20.0  # before the cost model is ready: this, plus HUNG_FACTOR x its prior's figure
+_PRIOR = StepCost()  # a model that has seen no step: its prior coefficients
+
+
+def hung_bound(plan: Plan, cost: StepCost | None) -> tuple[float, str]:
+    """Seconds the workers may spend on `plan` (from the previous result, or from its
+    submission into an empty pipeline) before they count as hung; and how that was found.
+
+    With a cost model that has seen `StepCost.warmup` steps: max(`HUNG_MIN_S`,
+    `HUNG_FACTOR` x its prediction for the plan). The plan's tokens are what it computes;
+    the context its decodes read is taken as every sequence's `start_pos + num_tokens`
+    (prefill chunks included, so at least what the planner counted): a bound errs long.
+
+    Before that (`cold_bound`), the first steps of a run: they pay costs that no later
+    step pays and that no model of the steady state predicts: the first forward of each
+    shape builds its oneDNN primitives and, on CUDA, compiles the Triton kernels that the
+    start-up's decode graphs did not (seconds each on a cold cache), allocators grow their
+    pools, and weight pages not touched yet fault in. Those costs do not grow with the
+    plan, and a few seconds cover them on any machine this engine serves from, so the
+    bound is a floor of `COLD_S` for them, above the adaptive floor, plus the adaptive
+    rule applied to the prior (the coefficients a `StepCost` starts from, about 5,000
+    tokens a second), so that a large first plan gets more. A first plan within the
+    default token budget (512) is declared hung after 20-23 s: under the 30 s a client
+    may wait for a stopped worker to be noticed. A first plan of a large model on a slow
+    CPU that needs longer needs `--step-timeout`.
+    """
+    tokens = kv = 0
+    for s in plan.seqs:
+        tokens += s.num_tokens
+        kv += s.start_pos + s.num_tokens
+    if cost is not None and cost.ready:
+        predicted = cost.predict(tokens, kv)
+        bound = max(HUNG_MIN_S, HUNG_FACTOR * predicted)
+        return bound, f"max({HUNG_MIN_S:g} s, {HUNG_FACTOR:g} x its predicted {predicted:.3f} s)"
+    return cold_bound(tokens, kv), f"a first step: {COLD_S:g} s + {HUNG_FACTOR:g} x the prior"
+
+
+def cold_bound(tokens: int, decode_kv: int = 0) -> float:
+    """The bound on a step of `tokens` tokens before the cost model is ready (`hung_bound`)."""
+    return COLD_S + HUNG_FACTOR * _PRIOR.predict(tokens, decode_kv)
 
 
 class WorkerLink:
@@ -60,7 +115,7 @@ class WorkerLink:
             zmq.XPUB, config.ipc.plan_addr, XPUB_VERBOSE=1, XPUB_VERBOSER=1, SNDHWM=0
         )  # verbose-r: every (un)subscription, so each worker's arrival and departure show
         self.results = socks.bind(zmq.PULL, config.ipc.result_addr, RCVHWM=0)
-        self._in = Codec(FromWorker)
+        self._in = Codec(FromWorker, config.ipc.max_message_bytes)
         self._out = Codec(ToWorker)
         self.num_subscribers = 0
         self.workers: dict[int, WorkerReady] = {}
@@ -72,9 +127,14 @@ class WorkerLink:
         self.worker_rejected = 0  # messages rank 0 says it refused
         self._results: list[tuple[StepResult, list[int]]] = []
         self._imported: list[KvImported] = []  # KV copies the ranks have answered
+        self._grammars: list[GrammarReady] = []  # rank 0's compile answers
         # Plans in flight, oldest first: (step, ids of the sequences it samples, the plan).
         self._inflight: deque[tuple[int, list[int], Plan]] = deque()
         self._progress_at = 0.0  # last result, or the submit that started an empty pipeline
+        # The scheduler's step cost model, once it has one (`SchedulerLoop._start`): what
+        # the bound on a hung step follows (`hung_bound`). None: the cold bound applies.
+        self.step_cost: StepCost | None = None
+        self.clock = time.monotonic  # what the bound is measured by (a test may move it)
         self._peers_checked_at = 0.0
         self._prompt_shm = ""  # to name in the next plan: the frontend's new prompt buffer
 
@@ -111,17 +171,21 @@ class WorkerLink:
         if self._prompt_shm:
             plan.prompt_shm, self._prompt_shm = self._prompt_shm, ""
         if not self._inflight:
-            self._progress_at = time.monotonic()
+            self._progress_at = self.clock()
         sampled = [s.seq_id for s in plan.seqs if s.sample]
         self._inflight.append((plan.step, sampled, plan))
         self.plans.send(self._out.encode(plan))
 
-    def send_import(self, msg: KvImport) -> None:
-        """A KV copy for every rank, ordered before the plans sent after it."""
+    def send_import(self, msg: KvImport | GrammarPrepare | GrammarRelease) -> None:
+        """A KV copy or a grammar for every rank, ordered before the plans sent after it."""
         self.plans.send(self._out.encode(msg))
 
     def collect_imports(self) -> list[KvImported]:
         out, self._imported = self._imported, []
+        return out
+
+    def collect_grammars(self) -> list[GrammarReady]:
+        out, self._grammars = self._grammars, []
         return out
 
     def collect(self) -> list[tuple[StepResult, list[int]]]:
@@ -136,20 +200,35 @@ class WorkerLink:
         for sock, handle in ((self.plans, self._on_subscription), (self.results, self._on_msg)):
             while self.failure is None and has_message(sock):
                 handle(sock.recv(zmq.NOBLOCK))
-        now = time.monotonic()
+        now = self.clock()
         if self.failure is None and now - self._peers_checked_at >= PEER_CHECK_S:
             self._check_peers()
         if self.failure is None and self._inflight:
-            stalled = now - self._progress_at
-            if stalled > self.config.scheduler.step_timeout:
-                self.failure = (
-                    f"step {self._inflight[0][0]} made no progress for {stalled:.1f} s "
-                    f"(--step-timeout {self.config.scheduler.step_timeout:g}): a worker is hung"
-                )
+            self._check_progress(now)
+
+    def _check_progress(self, now: float) -> None:
+        """A failure if the oldest plan in flight has made no progress within its bound:
+        `--step-timeout`, or, when that is 0, `hung_bound` (computed only once the plan
+        has outlived the smallest bound that could apply)."""
+        stalled = now - self._progress_at
+        fixed = self.config.scheduler.step_timeout
+        if stalled <= (fixed if fixed > 0 else HUNG_MIN_S):
+            return
+        step, _, plan = self._inflight[0]
+        if fixed > 0:
+            bound, how = fixed, f"--step-timeout {fixed:g}"
+        else:
+            bound, how = hung_bound(plan, self.step_cost)
+            how += "; --step-timeout sets it"
+        if stalled > bound:
+            self.failure = (
+                f"step {step} made no progress for {stalled:.1f} s (bound {bound:.1f} s: "
+                f"{how}): a worker is hung"
+            )
 
     def _check_peers(self) -> None:
         """A failure if any known worker process has died."""
-        self._peers_checked_at = time.monotonic()
+        self._peers_checked_at = self.clock()
         for w in self.workers.values():
             if process_alive(w.pid, w.host) is False:
                 self.failure = f"worker {w.rank} (pid {w.pid}) died"
@@ -184,6 +263,8 @@ class WorkerLink:
                 self.refusals.refuse("bad KvImported", f"rank {msg.rank}")
                 return
             self._imported.append(msg)
+        elif isinstance(msg, GrammarReady):
+            self._grammars.append(msg)
         elif isinstance(msg, WorkerError):
             if not 0 <= msg.rank < self.config.parallel.tensor_parallel_size:
                 self.refusals.refuse("bad WorkerError", f"rank {msg.rank}")
@@ -208,7 +289,7 @@ class WorkerLink:
             self.refusals.refuse("malformed result", f"step {msg.step}: {problem}")
             return
         self._inflight.popleft()
-        self._progress_at = time.monotonic()
+        self._progress_at = self.clock()
         self.worker_rejected = msg.rejected_total
         self._results.append((msg, tokens))
 

@@ -1,11 +1,19 @@
 """Constrained decoding on rank 0: one xgrammar matcher per sequence with a grammar.
 
-A `NewSeq` whose sampling carries a `Grammar` starts its compile on a small
-thread pool (xgrammar releases the GIL), so that it runs while the step's
-forward pass does; the compile is joined when the sequence first samples, and
-its matcher made then. The compiler (and the tokenizer it needs) is built on
-first use, on the pool too, with the cache on: a schema seen before costs
-nothing.
+Under `subway serve` a grammar arrives once, in a `GrammarPrepare` (`prepare_key`),
+and compiles on a thread of its own (xgrammar releases the GIL) while steps run;
+rank 0 answers `GrammarReady` when it is done (`answers`), or as failed once it
+has taken longer than the compile limit (`--grammar-timeout`, the frontend's
+too). The scheduler holds the grammar's requests until then, so a compile never
+holds up a step; a `NewSeq` names the grammar by its key (`Grammar.key`) and
+gets a matcher of the compiled grammar. At most `_POOL_THREADS` compiles run at
+once; one past its limit is abandoned (its thread cannot be stopped: it ends on
+its own) and no longer counts, and past `_MAX_ABANDONED` such threads new
+grammars fail at once. A `NewSeq` that carries its grammar's text (the offline
+`LLM`, tests of the runner) compiles it the same way and joins the compile
+when the sequence first samples. The compiler (and the tokenizer it needs) is
+built on first use, on a compile thread, with its cache capped at
+`CACHE_BYTES`: a schema seen before costs nothing.
 
 Each step, `prepare` fills one preallocated bitmask for every constrained row
 that samples, in one `batch_fill_next_token_bitmask` call; the sampler applies
@@ -32,19 +40,23 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from subway.ipc.messages import JSON_OBJECT_SCHEMA, Grammar
+from subway.ipc.messages import JSON_OBJECT_SCHEMA, Grammar, GrammarReady
 
 if TYPE_CHECKING:  # imported where a grammar is first used: 2 s of a worker's start
     import xgrammar as xgr
 
 _POOL_THREADS = 2  # compiles in flight at once; each compile has its own threads below
+_MAX_ABANDONED = 8  # compile threads past their limit, still running, at most
 _COMPILER_THREADS = min(4, os.cpu_count() or 1)
+CACHE_BYTES = 64 << 20  # what the compiler keeps of compiled grammars, at most
 
 
 class GrammarError(ValueError):
@@ -105,6 +117,15 @@ class _Constrained:
 
 
 @dataclass
+class _Prepared:
+    """A grammar sent by key: its compile, and whether rank 0 has answered for it."""
+
+    compiled: Future
+    started: float  # time.monotonic() of its GrammarPrepare
+    answered: bool = False
+
+
+@dataclass
 class GrammarStep:
     """The constrained rows of one step: their mask, then `accept` with the sampled tokens."""
 
@@ -137,8 +158,10 @@ class Grammars:
         device: torch.device,
         max_rows: int,
         ext: object | None = None,
+        compile_timeout: float = 10.0,
     ) -> None:
-        """`ext`: the compiled CPU kernels, whose mask kernel then serves (`TokenMask`)."""
+        """`ext`: the compiled CPU kernels, whose mask kernel then serves (`TokenMask`).
+        `compile_timeout`: seconds a compile may take before its grammar counts as failed."""
         self.tokenizer_path = tokenizer_path
         self.ext = ext
         self.max_rows = max_rows  # the bitmask's rows: sampled rows of a step, at most
@@ -146,7 +169,17 @@ class Grammars:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.seqs: dict[int, _Constrained] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self.compile_timeout = compile_timeout
+        self.keyed: dict[int, _Prepared] = {}  # grammars by key, until released
+        self.unanswered = 0  # of those, the ones `answers` has not answered for yet
+        self._queue: deque[tuple[Future, Grammar]] = deque()  # compiles not yet started
+        self._running = 0  # compile threads within their limit
+        self._abandoned = 0  # compile threads past their limit, still running
+        self._lock = threading.Lock()  # the three counts above, shared with the threads
+        self._wake_r, self._wake_w = os.pipe()  # a byte per finished compile (`wake_fd`)
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the loop
+        self._closed = False
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._batch: xgr.BatchGrammarMatcher | None = None
@@ -160,18 +193,77 @@ class Grammars:
     # ------------------------------------------------------------------ lifecycle
 
     def add(self, seq_id: int, grammar: Grammar) -> None:
-        """Start compiling a new sequence's grammar; it is joined when the sequence samples."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="subway-grammar")
+        """A new sequence's grammar: by key (compiled already, see `prepare_key`), or its text,
+        compiled now and joined when the sequence samples."""
         self.forget([seq_id])
-        self.seqs[seq_id] = _Constrained(self._pool.submit(self._compile, grammar))
+        if grammar.key:
+            prepared = self.keyed.get(grammar.key)
+            if prepared is None:
+                compiled: Future = Future()
+                compiled.set_exception(GrammarError(f"grammar {grammar.key} was never prepared"))
+            else:
+                compiled = prepared.compiled
+        else:
+            compiled = self._submit(grammar)
+        self.seqs[seq_id] = _Constrained(compiled)
+
+    def prepare_key(self, key: int, grammar: Grammar) -> None:
+        """Start compiling a grammar that sequences will name by `key`; `answers` tells when
+        it is done."""
+        if key in self.keyed:
+            return  # sent again (it was never released): the first answer stands
+        with self._lock:
+            saturated = self._abandoned >= _MAX_ABANDONED
+        if saturated:
+            failed: Future = Future()
+            failed.set_exception(GrammarError("too many grammars past their compile limit"))
+            self.keyed[key] = _Prepared(failed, time.monotonic())
+        else:
+            self.keyed[key] = _Prepared(self._submit(grammar), time.monotonic())
+        self.unanswered += 1
+
+    def release(self, keys: list[int]) -> None:
+        """No new sequence will name these grammars (ones that have them keep them)."""
+        for key in keys:
+            p = self.keyed.pop(key, None)
+            if p is not None and not p.answered:
+                self.unanswered -= 1
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when a compile has finished: the worker's poller wakes for `answers`."""
+        return self._wake_r
+
+    def answers(self, now: float | None = None) -> list[GrammarReady]:
+        """One answer for each prepared grammar that compiled, failed, or passed its limit
+        since the last call."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        now = time.monotonic() if now is None else now
+        out: list[GrammarReady] = []
+        for key, p in self.keyed.items():
+            if p.answered:
+                continue
+            if p.compiled.done():
+                error = p.compiled.exception()
+                out.append(GrammarReady(key, error is None, "" if error is None else str(error)))
+            elif now - p.started > self.compile_timeout:
+                self._abandon(p.compiled)
+                limit = f"{self.compile_timeout:g}"
+                out.append(GrammarReady(key, False, f"the grammar took over {limit} s to compile"))
+            else:
+                continue
+            p.answered = True
+            self.unanswered -= 1
+        return out
 
     def forget(self, seq_ids: list[int]) -> None:
         seqs = self.seqs
         for sid in seq_ids:
-            state = seqs.pop(sid, None)
-            if state is not None:
-                state.compiled.cancel()
+            seqs.pop(sid, None)
 
     def truncate(self, seq_id: int, generated: int) -> None:
         """The sequence keeps only its first `generated` generated tokens: roll its matcher
@@ -186,14 +278,16 @@ class Grammars:
         state.broken = False
 
     def close(self) -> None:
-        """Join the compile threads and let go of xgrammar's objects now, in order, while
-        the interpreter is whole (their C++ thread pools must not outlive it)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop starting compiles and let go of xgrammar's objects now, in order, while the
+        interpreter is whole. Compile threads are daemons: one still running (past its
+        limit) does not hold the process's exit."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
         self.seqs.clear()
+        self.keyed.clear()
         self._batch = None
-        self._compiler = None
+        self._compiler = None  # (the wake pipe stays open: a compile thread may still write)
 
     # ------------------------------------------------------------------ one step
 
@@ -248,8 +342,70 @@ class Grammars:
             self._host_mask = host
         return self._host_mask
 
-    def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
-        return compile_grammar(self.compiler(), grammar)
+    def _submit(self, grammar: Grammar) -> Future:
+        """A future of `grammar` compiled: started now if fewer than `_POOL_THREADS` run."""
+        future: Future = Future()
+        with self._lock:
+            self._queue.append((future, grammar))
+        self._start_next()
+        return future
+
+    def _start_next(self) -> None:
+        with self._lock:
+            if self._closed or self._running >= _POOL_THREADS or not self._queue:
+                return
+            future, grammar = self._queue.popleft()
+            self._running += 1
+        future.set_running_or_notify_cancel()
+        threading.Thread(
+            target=self._compile, args=(future, grammar), name="subway-grammar", daemon=True
+        ).start()
+
+    def _compile(self, future: Future, grammar: Grammar) -> None:
+        try:
+            result = compile_grammar(self.compiler(), grammar)
+        except Exception as e:  # noqa: BLE001 - a bad grammar, or no tokenizer to compile it
+            error: BaseException | None = e
+        else:
+            error = None
+        with self._lock:
+            abandoned = getattr(future, "subway_abandoned", False)
+            if abandoned:
+                self._abandoned -= 1
+            else:
+                self._running -= 1
+            closed = self._closed
+        try:  # unless abandoned meanwhile (then it holds its GrammarError)
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+        except InvalidStateError:
+            pass
+        if not closed:
+            try:
+                os.write(self._wake_w, b"\0")
+            except OSError:
+                pass
+            self._start_next()
+
+    def _abandon(self, future: Future) -> None:
+        """A compile past its limit stops counting against `_POOL_THREADS` (its thread runs
+        on: xgrammar cannot be interrupted); the next compile starts."""
+        with self._lock:
+            if future.done() or getattr(future, "subway_abandoned", False):
+                return
+            if future.running():
+                future.subway_abandoned = True  # type: ignore[attr-defined]
+                self._running -= 1
+                self._abandoned += 1
+            else:  # still queued: it never starts
+                self._queue = deque(item for item in self._queue if item[0] is not future)
+            try:
+                future.set_exception(GrammarError("the grammar took too long to compile"))
+            except InvalidStateError:  # it finished just now
+                pass
+        self._start_next()
 
     def compiler(self) -> xgr.GrammarCompiler:
         """The worker's compiler, built once from the model's tokenizer (off the step's path)."""
@@ -263,6 +419,9 @@ class Grammars:
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
                 )
                 self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=_COMPILER_THREADS, cache_enabled=True
+                    info,
+                    max_threads=_COMPILER_THREADS,
+                    cache_enabled=True,
+                    cache_limit_bytes=CACHE_BYTES,
                 )
             return self._compiler

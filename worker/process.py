@@ -35,6 +35,8 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     Codec,
     FromWorker,
+    GrammarPrepare,
+    GrammarRelease,
     KvImport,
     KvImported,
     Shutdown,
@@ -96,7 +98,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     stop.install()
     if config.parallel.threads > 0:
         torch.set_num_threads(config.parallel.threads)
-    codec_in, codec_out = Codec(ToWorker), Codec(FromWorker)
+    codec_in, codec_out = Codec(ToWorker, config.ipc.max_message_bytes), Codec(FromWorker)
     ctx = zmq.Context()
     socks = Sockets(ctx, config.ipc)
     sub = socks.connect(zmq.SUB, config.ipc.plan_addr)
@@ -147,6 +149,9 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        grammars = runner.grammars  # rank 0 compiles, and answers when each is done
+        if rank == 0:
+            poller.register(grammars.wake_fd, zmq.POLLIN)
         fetches = Fetches(socks, poller, rank, world)  # imports from other hosts
         if config.parallel.role == "prefill" and config.ipc.kv_addr:
             stride = max(1, config.parallel.data_parallel_size)
@@ -164,6 +169,11 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 kv_server.serve()
             for answer in fetches.on_events(events, runner.kv_caches, time.perf_counter()):
                 push.send(codec_out.encode(answer))
+            if rank == 0 and (
+                grammars.unanswered or grammars.wake_fd in events
+            ):  # compiles done, failed or past their limit
+                for answer in grammars.answers():
+                    push.send(codec_out.encode(answer))
             if sub not in events:
                 continue
             try:
@@ -175,6 +185,14 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 continue
             if isinstance(msg, Shutdown):
                 return 0
+            if isinstance(msg, GrammarPrepare):
+                if rank == 0:
+                    grammars.prepare_key(msg.key, msg.grammar)
+                continue
+            if isinstance(msg, GrammarRelease):
+                if rank == 0:
+                    grammars.release(msg.keys)
+                continue
             if isinstance(msg, KvImport):  # every rank copies its shard, and says so
                 if is_remote(msg.source):
                     answer = fetches.start(runner.kv_caches, msg, time.perf_counter())

@@ -138,6 +138,7 @@ class ModelRunner:
             config.model.tokenizer or self.path, self.vocab_size, self.eos_token_ids,
             self.device, config.scheduler.max_num_seqs,
             cpu_ext.load() if self.device.type == "cpu" and config.model.cpu_ext else None,
+            config.server.grammar_timeout,
         )  # fmt: skip
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}

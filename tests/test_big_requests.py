@@ -1,0 +1,90 @@
+"""Requests that one client multiplies (n, a schema's size) against a live server (issue 43).
+
+n=64 with a 2 MB schema is served while another client streams on (on 51871e6 it
+stopped the engine: each of the 64 sequences carried the schema, the plan passed
+--max-message-bytes, the workers' socket dropped the link and the worker exited), and a
+request too large for the engine's messages is a 400 (on 51871e6 the frontend's link to
+the scheduler was dropped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from serving import Server
+
+
+def _big_schema() -> dict:
+    # 700,000 characters of a 3-byte character: 2.1 MB of UTF-8, under the 1 Mi-character
+    # limit on a spec; a description compiles fast, so only its size counts.
+    return {"type": "object", "description": "\u20ac" * 700_000}
+
+
+def _stream_gaps(url: str, out: dict) -> None:
+    """Stream an unconstrained completion; record its largest gap between chunks."""
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 120, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    last, gaps, chunks = None, [], 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last, chunks = now, chunks + 1
+            if chunks == 3:
+                out["flowing"].set()
+    out["chunks"], out["max_gap"] = chunks, max(gaps, default=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    s = Server(tiny_models["llama"], "--served-model-name", "tiny", "--max-model-len", "2048")
+    yield s
+    s.stop()
+
+
+def test_n64_with_a_2mb_schema_is_served_and_others_stream_on(server):
+    out: dict = {"flowing": threading.Event()}
+    t = threading.Thread(target=_stream_gaps, args=(server.url, out))
+    t.start()
+    assert out["flowing"].wait(60)
+    body = {
+        "model": "tiny", "prompt": "Say something", "n": 64, "max_tokens": 2,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "big", "schema": _big_schema()}},
+    }  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:500]
+    assert len(r.json()["choices"]) == 64
+    t.join(120)
+    assert out["chunks"] == 120  # the other client's stream ran to its end
+    assert out["max_gap"] < 30.0, out
+    assert server.proc.poll() is None and server.healthy()
+    m = server.metrics()
+    assert m.get("subway:ipc_rejected_total", 0.0) == 0.0  # nothing was refused on the way
+    again = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a",
+                       "max_tokens": 3}, timeout=60)  # fmt: skip
+    assert again.status_code == 200
+
+
+def test_a_request_larger_than_a_message_is_a_400(tiny_models):
+    s = Server(tiny_models["llama"], "--served-model-name", "tiny", "--max-message-bytes",
+               str(1 << 20))  # fmt: skip
+    try:
+        body = {"model": "tiny", "prompt": "Say something", "max_tokens": 2,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "big", "schema": _big_schema()}}}  # fmt: skip
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400, r.text[:500]
+        assert "bytes" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "a",
+                        "max_tokens": 3}, timeout=60)  # fmt: skip
+        assert ok.status_code == 200 and s.proc.poll() is None
+    finally:
+        s.stop()
