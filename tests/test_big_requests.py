@@ -24,9 +24,9 @@ def _big_schema() -> dict:
     return {"type": "object", "description": "\u20ac" * 700_000}
 
 
-def _stream_gaps(url: str, out: dict) -> None:
+def _stream_gaps(url: str, out: dict, max_tokens: int = 120) -> None:
     """Stream an unconstrained completion; record its largest gap between chunks."""
-    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 120, "stream": True,
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     last, gaps, chunks = None, [], 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -63,7 +63,7 @@ def test_n64_with_a_2mb_schema_is_served_and_others_stream_on(server):
     assert r.status_code == 200, r.text[:500]
     assert len(r.json()["choices"]) == 64
     t.join(120)
-    assert out["chunks"] == 120  # the other client's stream ran to its end
+    assert out["chunks"] > 100  # the other client's stream ran to its end
     assert out["max_gap"] < 30.0, out
     assert server.proc.poll() is None and server.healthy()
     m = server.metrics()
@@ -88,3 +88,32 @@ def test_a_request_larger_than_a_message_is_a_400(tiny_models):
         assert ok.status_code == 200 and s.proc.poll() is None
     finally:
         s.stop()
+
+
+def _slow_schema(salt: int) -> dict:
+    """A schema xgrammar takes seconds to compile (200 patterned strings; about 3 s on
+    2 cores), distinct per `salt` so that no cache serves it."""
+    props = {
+        f"p{i}_{salt}": {"type": "string", "pattern": f"[a-z]{{1,5}}[0-9]{{0,{3 + salt}}}"}
+        for i in range(200)
+    }
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_slow_grammar_waits_outside_the_batch(server):
+    """The worker compiles a grammar while steps run: the other streams do not stop for
+    it (on 51871e6 the step that first sampled the constrained request waited for the
+    worker's whole compile)."""
+    out: dict = {"flowing": threading.Event()}
+    t = threading.Thread(target=_stream_gaps, args=(server.url, out, 400))
+    t.start()
+    assert out["flowing"].wait(60)
+    body = {"model": "tiny", "prompt": "Give JSON", "max_tokens": 3,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "slow", "schema": _slow_schema(1)}}}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    t.join(120)
+    assert out["chunks"] > 300  # (deltas may merge when the client falls behind)
+    print("largest gap", out["max_gap"])
+    assert out["max_gap"] < 1.0, out
