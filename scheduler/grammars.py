@@ -6,8 +6,9 @@ content hash) however many requests and sequences use it, holds the requests
 (status COMPILING: no blocks, no place in the batch) until rank 0 answers
 (`GrammarReady`), then queues them. So a slow compile makes its own requests
 wait, never the batch, and the plans carry only the key. A compile that fails,
-or that rank 0 does not answer within the compile time limit plus `ANSWER_SLACK_S`,
-ends its requests with an error. When no live request uses a grammar any more,
+or that rank 0 does not answer within twice the compile time limit plus `ANSWER_SLACK_S`,
+ends its requests with an error (rank 0 times the compile itself; this bound is the
+backstop for an answer that never comes). When no live request uses a grammar any more,
 a `GrammarRelease` lets the workers forget it.
 """
 
@@ -30,7 +31,9 @@ from subway.ipc.messages import (
 if TYPE_CHECKING:
     from subway.scheduler.request import Request
 
-ANSWER_SLACK_S = 5.0  # beyond the compile limit, for rank 0's answer to come (a long step)
+# Beyond the compile limit, for rank 0's answer to come: the compile may queue behind
+# another (two run at once), and the compiler's first build, seconds, is not in its limit.
+ANSWER_SLACK_S = 30.0
 
 
 @dataclass(slots=True, eq=False)
@@ -45,7 +48,7 @@ class GrammarTable:
     """The scheduler's side of the grammars (see the module docstring)."""
 
     def __init__(self, compile_timeout: float) -> None:
-        self.answer_within = compile_timeout + ANSWER_SLACK_S
+        self.answer_within = 2 * compile_timeout + ANSWER_SLACK_S
         self.entries: dict[int, _Entry] = {}
         self.outbox: list[GrammarPrepare | GrammarRelease] = []  # for the workers, in order
 

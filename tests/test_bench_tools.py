@@ -509,8 +509,13 @@ def test_soak_workload_mix() -> None:
     dropped = [s for s in specs if s.disconnect_after is not None]
     assert len(dropped) == 200
     assert all(
-        s.stream and s.ignore_eos and 1 <= s.disconnect_after < s.max_tokens for s in dropped
+        s.stream and (s.ignore_eos or s.constraint) and 1 <= s.disconnect_after < s.max_tokens
+        for s in dropped
     )
+    constrained = [s for s in specs if s.constraint]
+    assert 0.2 < len(constrained) / 1000 < 0.3
+    assert {s.constraint.split(":")[0] for s in constrained} == {"json_object", "tools", "schema"}
+    assert all(s.chat for s in constrained if s.constraint == "tools")
     assert {s.max_tokens for s in specs} == set(range(1, 33))
     assert 0.1 < sum(s.chat for s in specs) / 1000 < 0.5
     assert 0.3 < sum(s.stream for s in specs) / 1000 < 0.8

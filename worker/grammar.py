@@ -3,8 +3,9 @@
 Under `subway serve` a grammar arrives once, in a `GrammarPrepare` (`prepare_key`),
 and compiles on a thread of its own (xgrammar releases the GIL) while steps run;
 rank 0 answers `GrammarReady` when it is done (`answers`), or as failed once it
-has taken longer than the compile limit (`--grammar-timeout`, the frontend's
-too). The scheduler holds the grammar's requests until then, so a compile never
+has compiled for longer than the compile limit (`--grammar-timeout`, the
+frontend's too; the compiler's own first build, seconds, does not count, and rank 0
+starts it in the background when the worker starts). The scheduler holds the grammar's requests until then, so a compile never
 holds up a step; a `NewSeq` names the grammar by its key (`Grammar.key`) and
 gets a matcher of the compiled grammar. At most `_POOL_THREADS` compiles run at
 once; one past its limit is abandoned (its thread cannot be stopped: it ends on
@@ -120,8 +121,7 @@ class _Constrained:
 class _Prepared:
     """A grammar sent by key: its compile, and whether rank 0 has answered for it."""
 
-    compiled: Future
-    started: float  # time.monotonic() of its GrammarPrepare
+    compiled: Future  # its `subway_started`: time.monotonic() when the compile began
     answered: bool = False
 
 
@@ -217,9 +217,9 @@ class Grammars:
         if saturated:
             failed: Future = Future()
             failed.set_exception(GrammarError("too many grammars past their compile limit"))
-            self.keyed[key] = _Prepared(failed, time.monotonic())
+            self.keyed[key] = _Prepared(failed)
         else:
-            self.keyed[key] = _Prepared(self._submit(grammar), time.monotonic())
+            self.keyed[key] = _Prepared(self._submit(grammar))
         self.unanswered += 1
 
     def release(self, keys: list[int]) -> None:
@@ -228,6 +228,17 @@ class Grammars:
             p = self.keyed.pop(key, None)
             if p is not None and not p.answered:
                 self.unanswered -= 1
+
+    def warm_up(self) -> None:
+        """Build the compiler (the tokenizer's vocabulary, seconds) on a thread now, so
+        that the first grammar does not wait for it."""
+        threading.Thread(target=self._warm, name="subway-grammar-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.compiler()
+        except Exception as e:  # noqa: BLE001 - the first grammar will say it again
+            print(f"subway worker: cannot build the grammar compiler: {e}", file=sys.stderr)
 
     @property
     def wake_fd(self) -> int:
@@ -250,7 +261,7 @@ class Grammars:
             if p.compiled.done():
                 error = p.compiled.exception()
                 out.append(GrammarReady(key, error is None, "" if error is None else str(error)))
-            elif now - p.started > self.compile_timeout:
+            elif now - getattr(p.compiled, "subway_started", now) > self.compile_timeout:
                 self._abandon(p.compiled)
                 limit = f"{self.compile_timeout:g}"
                 out.append(GrammarReady(key, False, f"the grammar took over {limit} s to compile"))
@@ -363,7 +374,9 @@ class Grammars:
 
     def _compile(self, future: Future, grammar: Grammar) -> None:
         try:
-            result = compile_grammar(self.compiler(), grammar)
+            compiler = self.compiler()  # built once (seconds): not the grammar's time
+            future.subway_started = time.monotonic()  # type: ignore[attr-defined]
+            result = compile_grammar(compiler, grammar)
         except Exception as e:  # noqa: BLE001 - a bad grammar, or no tokenizer to compile it
             error: BaseException | None = e
         else:

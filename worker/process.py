@@ -152,6 +152,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         grammars = runner.grammars  # rank 0 compiles, and answers when each is done
         if rank == 0:
             poller.register(grammars.wake_fd, zmq.POLLIN)
+            grammars.warm_up()
         fetches = Fetches(socks, poller, rank, world)  # imports from other hosts
         if config.parallel.role == "prefill" and config.ipc.kv_addr:
             stride = max(1, config.parallel.data_parallel_size)

@@ -5,7 +5,9 @@ its own, or drives a running server (`--url`; its processes are found from the H
 `--concurrency` closed-loop clients send `--requests` requests: completions and chat, prompt
 lengths from a few words to 400 (mean about 45), `max_tokens` 1..32, greedy, temperature and
 top_p sampling, streamed and not, mostly with `ignore_eos` so that lengths can be checked;
-`--disconnect-frac` of all requests are streams the client drops mid-answer.
+`--disconnect-frac` of all requests are streams the client drops mid-answer;
+`--constrained-frac` (a quarter) carry structured outputs (a JSON object, or one of 50 JSON
+schemas, so that grammars come and go) or tools (`tool_choice` "required", chat).
 
 Reported: requests/s; the RSS of every engine process (frontend, scheduler, each worker)
 after `--rss-at` requests and at the end; from `/metrics`, KV blocks in use and requests
@@ -223,6 +225,7 @@ class Spec:
     ignore_eos: bool
     sampling: dict[str, Any]
     disconnect_after: int | None = None
+    constraint: str = ""  # "", "json_object", "schema:K" (one of 50 schemas) or "tools"
 
 
 @dataclasses.dataclass
@@ -233,7 +236,9 @@ class Outcome:
     error: str = ""
 
 
-def make_specs(n: int, seed: int = 0, disconnect_frac: float = 0.2) -> list[Spec]:
+def make_specs(
+    n: int, seed: int = 0, disconnect_frac: float = 0.2, constrained_frac: float = 0.25
+) -> list[Spec]:
     """The mixed workload: deterministic for a seed."""
     rng = random.Random(seed)
     specs = []
@@ -266,7 +271,51 @@ def make_specs(n: int, seed: int = 0, disconnect_frac: float = 0.2) -> list[Spec
                 disconnect_after=rng.randint(1, max_tokens // 2) if drop else None,
             )
         )
+        if rng.random() < constrained_frac:
+            spec = specs[-1]
+            c = rng.random()
+            spec.constraint = (
+                "json_object" if c < 0.3 else "tools" if c < 0.6 else f"schema:{rng.randrange(50)}"
+            )
+            spec.chat = spec.chat or spec.constraint == "tools"
+            spec.ignore_eos = False  # a grammar ends the answer where it is complete
     return specs
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def _constraint(spec: Spec) -> dict[str, Any]:
+    """The body fields of a spec's constraint."""
+    if spec.constraint == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if spec.constraint == "tools":
+        return {"tools": TOOLS, "tool_choice": "required"}
+    k = spec.constraint.split(":", 1)[1]
+    schema = {
+        "type": "object",
+        "properties": {f"field_{k}": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": [f"field_{k}"],
+    }
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": f"s{k}", "schema": schema},
+        }
+    }
 
 
 def body_of(spec: Spec, model: str) -> dict[str, Any]:
@@ -278,6 +327,8 @@ def body_of(spec: Spec, model: str) -> dict[str, Any]:
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
+    if spec.constraint:
+        body.update(_constraint(spec))
     return body
 
 
@@ -315,7 +366,8 @@ async def send(client: httpx.AsyncClient, base: str, model: str, spec: Spec) -> 
                     out.completion_tokens = msg["usage"]["completion_tokens"]
                 for c in msg.get("choices") or ():
                     out.finish_reason = c.get("finish_reason") or out.finish_reason
-                    if c.get("text") or (c.get("delta") or {}).get("content"):
+                    delta = c.get("delta") or {}
+                    if c.get("text") or delta.get("content") or delta.get("tool_calls"):
                         chunks += 1
                 if spec.disconnect_after is not None and chunks >= spec.disconnect_after:
                     out.status = "dropped"
@@ -329,7 +381,10 @@ async def send(client: httpx.AsyncClient, base: str, model: str, spec: Spec) -> 
 
 def length_ok(spec: Spec, out: Outcome) -> bool:
     """A completed request is as long as it says: "length" is exactly max_tokens, "stop" is
-    fewer (and never under ignore_eos)."""
+    fewer (and never under ignore_eos); a constrained one may also end with its grammar
+    ("stop", "tool_calls") at max_tokens."""
+    if spec.constraint and out.finish_reason in ("stop", "tool_calls"):
+        return (out.completion_tokens or 0) <= spec.max_tokens
     if out.finish_reason == "length":
         return out.completion_tokens == spec.max_tokens
     if out.finish_reason == "stop":
@@ -461,7 +516,7 @@ def run_soak(args: argparse.Namespace) -> int:
         print(f"soak: serve at {base}, run id {server.run_id}, log {server.log.name}", flush=True)
     try:
         blocks_total = idle_blocks(base)
-        specs = make_specs(args.requests, args.seed, args.disconnect_frac)
+        specs = make_specs(args.requests, args.seed, args.disconnect_frac, args.constrained_frac)
         rss_at = args.rss_at if args.requests > args.rss_at else max(1, args.requests // 10)
         samples: dict[str, dict[str, float]] = {}
         t_start = time.perf_counter()
@@ -531,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=10000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--disconnect-frac", type=float, default=0.2)
+    p.add_argument("--constrained-frac", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rss-at", type=int, default=1000, help="first RSS sample after N requests")
     p.add_argument("--rss-bar-mb", type=float, default=64.0)
