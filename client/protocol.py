@@ -9,7 +9,9 @@ decoding anything, then the body:
     [PROTOCOL, api_key, request_id, body]   body: MessagePack GenerateRequest | AbortGenerate
 
 `request_id` is the client's own id (UTF-8, at most MAX_REQUEST_ID_BYTES);
-`api_key` is at most MAX_KEY_BYTES. The endpoint checks the frame count, the
+`api_key` is at most MAX_KEY_BYTES. On ipc:// the frames stay on this host, in a
+socket file only this user can reach; on tcp:// they travel inside CurveZMQ, and
+a client gets that far only with the API key (`zmq_curve.py`). The endpoint checks the frame count, the
 protocol and the key first and decodes the body only then, so a peer without
 the key costs no decoding. Each answer is one frame of MessagePack that
 repeats the request id:

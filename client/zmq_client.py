@@ -17,6 +17,16 @@ list of token ids. Leaving a stream early aborts its request; so does
 `abort(request_id)` and closing the client. A refused or failed request raises
 `RequestError` (with an HTTP-like `status`: 400, 401, 429, 503, ...).
 
+Over tcp:// the endpoint speaks CurveZMQ (`zmq_curve.py`): give the client the
+server's public key as a file, `server_key_file` (FILE.pub beside the server's
+`--client-curve-key-file FILE`). The API key then never crosses the wire: the
+client's CURVE key pair is derived from it, and the endpoint admits only that
+pair in the handshake. A refused handshake (a wrong API key: 401; a wrong server
+key: 503) fails every request in flight, and the ones after it, at once.
+
+    with Client("tcp://gpu-host:5555", api_key=key, server_key_file="server.key.pub") as c:
+        print(c.generate("The capital of France is", max_tokens=8).text)
+
 `Client` is not thread-safe: use one per thread, or `AsyncClient` on an event
 loop. This module imports only msgspec and pyzmq.
 """
@@ -34,6 +44,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from subway.client.protocol import (
     CONNECTION_ERROR_ID,
@@ -45,6 +56,7 @@ from subway.client.protocol import (
     RequestError,
     envelope,
 )
+from subway.client.zmq_curve import curve_client_options, is_tcp, read_public_key
 
 
 @dataclass
@@ -86,18 +98,75 @@ def _output(answer: GenerateOutput | GenerateError) -> GenerateOutput:
     return answer
 
 
-class _Dealer:
-    """What both clients share: a DEALER socket to the endpoint, and how requests are made."""
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 
-    def __init__(self, address: str, api_key: str, timeout: float | None, ctx) -> None:
+
+class _Dealer:
+    """What both clients share: a DEALER socket to the endpoint, and how requests are made.
+
+    On tcp:// the socket is a CurveZMQ client (`server_key_file`: the server's public key)
+    and a monitor socket reports its handshakes (`_handshake`)."""
+
+    def __init__(
+        self,
+        address: str,
+        api_key: str,
+        timeout: float | None,
+        ctx,
+        server_key_file: str | None = None,
+    ) -> None:
         self.address = address
         self.api_key = api_key
         self.timeout = timeout
         self._ctx = ctx
+        try:
+            curve_opts = self._curve_options(address, api_key, server_key_file)
+        except BaseException:
+            ctx.term()
+            raise
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        for option, value in curve_opts.items():
+            self._sock.setsockopt(option, value)
+        self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_EVENTS) if curve_opts else None
+        self._refusal: GenerateError | None = None  # the last handshake's failure
         self._sock.connect(address)
         self._decoder = msgspec.msgpack.Decoder(FromFrontendEndpoint)
+
+    @staticmethod
+    def _curve_options(address: str, api_key: str, server_key_file: str | None) -> dict:
+        if not is_tcp(address):
+            return {}
+        if not server_key_file:
+            raise ValueError(
+                f"{address} is a tcp:// endpoint, which speaks CurveZMQ: give server_key_file, "
+                "the server's public key (FILE.pub beside its --client-curve-key-file FILE)"
+            )
+        return curve_client_options(api_key, read_public_key(server_key_file))
+
+    def _handshake(self, frames: list[bytes]) -> GenerateError | None:
+        """A monitor event: the refusal to fail requests with, or None (a handshake
+        that succeeded clears an earlier refusal)."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._refusal = None
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self._refusal = GenerateError(
+                CONNECTION_ERROR_ID, 401, f"{self.address} refused this client: wrong API key"
+            )
+        else:
+            self._refusal = GenerateError(
+                CONNECTION_ERROR_ID,
+                503,
+                f"the CurveZMQ handshake with {self.address} failed: is server_key_file the "
+                "endpoint's public key?",
+            )
+        return self._refusal
 
     def _request(
         self, prompt: str | list[int], request_id: str | None, params: dict[str, Any], live
@@ -116,6 +185,9 @@ class _Dealer:
         return envelope(self.api_key, request_id, _encoder.encode(msg))
 
     def _close_socket(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=200)  # time for the aborts to leave
         self._ctx.term()
 
@@ -126,10 +198,20 @@ class Client(_Dealer):
     `timeout`: seconds to wait for the next answer before TimeoutError (None: forever).
     """
 
-    def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
-        super().__init__(address, api_key, timeout, zmq.Context())
+    def __init__(
+        self,
+        address: str,
+        api_key: str = "",
+        timeout: float | None = 300.0,
+        server_key_file: str | None = None,
+    ) -> None:
+        super().__init__(address, api_key, timeout, zmq.Context(), server_key_file)
         self._inbox: dict[str, collections.deque] = {}
         self._open: set[str] = set()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -151,6 +233,8 @@ class Client(_Dealer):
         self._sock.send_multipart(frames)
         self._open.add(rid)
         self._inbox[rid] = collections.deque()
+        if self._refusal is not None:  # refused before: this request is too
+            self._inbox[rid].append(self._refusal)
         return rid
 
     def outputs(self, request_id: str) -> Iterator[GenerateOutput]:
@@ -194,8 +278,15 @@ class Client(_Dealer):
             raise KeyError(f"no request {request_id!r} in flight")
         while not box:
             timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
-            if not self._sock.poll(timeout_ms):
+            ready = dict(self._poller.poll(timeout_ms))
+            if not ready:
                 raise TimeoutError(f"no answer from {self.address} in {self.timeout} s")
+            if self._monitor is not None and self._monitor in ready:
+                refusal = self._handshake(self._monitor.recv_multipart())
+                if refusal is not None:
+                    for other in self._inbox.values():
+                        other.append(refusal)
+                continue
             msg = self._decoder.decode(self._sock.recv())
             if _broken(msg):
                 for other in self._inbox.values():
@@ -210,10 +301,17 @@ class Client(_Dealer):
 class AsyncClient(_Dealer):
     """An asyncio client for the native ZMQ endpoint; use it from one event loop."""
 
-    def __init__(self, address: str, api_key: str = "", timeout: float | None = 300.0) -> None:
-        super().__init__(address, api_key, timeout, zmq.asyncio.Context())
+    def __init__(
+        self,
+        address: str,
+        api_key: str = "",
+        timeout: float | None = 300.0,
+        server_key_file: str | None = None,
+    ) -> None:
+        super().__init__(address, api_key, timeout, zmq.asyncio.Context(), server_key_file)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -226,10 +324,11 @@ class AsyncClient(_Dealer):
             return
         for rid in list(self._queues):
             self.abort(rid)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.sleep(0.05)  # let the aborts leave
         self._close_socket()
 
@@ -237,7 +336,11 @@ class AsyncClient(_Dealer):
         rid, frames = self._request(prompt, request_id, params, self._queues)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read_loop(), name="subway-client-reader")
+        if self._monitor is not None and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._watch(), name="subway-client-handshakes")
         self._queues[rid] = asyncio.Queue()
+        if self._refusal is not None:  # refused before: this request is too
+            self._queues[rid].put_nowait(self._refusal)
         self._sock.send_multipart(frames)
         return rid
 
@@ -279,6 +382,15 @@ class AsyncClient(_Dealer):
     def abort(self, request_id: str) -> None:
         if self._queues.pop(request_id, None) is not None and not self._sock.closed:
             self._sock.send_multipart(self._frames(request_id, AbortGenerate()), zmq.NOBLOCK)
+
+    async def _watch(self) -> None:
+        """Handshake failures fail every request in flight (CurveZMQ, on tcp://)."""
+        assert self._monitor is not None
+        while True:
+            refusal = self._handshake(await self._monitor.recv_multipart())
+            if refusal is not None:
+                for queue in self._queues.values():
+                    queue.put_nowait(refusal)
 
     async def _read_loop(self) -> None:
         try:

@@ -8,6 +8,10 @@ attach to it and read a prompt's run where it lies, so an AddRequest carries
 only its offset and length. A run is freed at its request's first delta: by
 then the workers have read it. Ids go inline when the ring is full, or without
 shared memory (`--no-shm`, several hosts).
+
+The ring's pages are committed when it is made (`TokenBuffer.create`): a /dev/shm
+without room for it is a `ShmSpaceError` when the frontend starts, never a SIGBUS
+on some later prompt's write.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class PromptRing:
         if not ipc.use_shm:
             return cls()
         name = f"{ipc.prompt_shm_name}_{uuid.uuid4().hex[:8]}"
-        return cls(TokenBuffer.create(name, ipc.prompt_shm_tokens))
+        hint = "or lower --prompt-shm-tokens, or run with --no-shm"
+        return cls(TokenBuffer.create(name, ipc.prompt_shm_tokens, hint=hint))
 
     def ref(self, request_id: str, ids: Sequence[int]) -> TokenRef:
         if self.alloc is not None and self.buffer is not None:

@@ -7,10 +7,21 @@ or JSON; structured outputs (`structured_outputs`, `response_format`,
 The address is `config.server.client_addr`, by default
 `ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`).
 A client that goes away is noticed when an answer cannot be routed to it
-(ROUTER_MANDATORY): its request is then aborted.
+(ROUTER_MANDATORY): its request is then aborted. So is one that leaves SEND_HWM
+answers unread: its queue is bounded, and a send past it fails as to a gone client.
+
+The address is ipc:// (a socket file in the 0700 run folder: only this user can
+connect) or tcp://; nothing else is taken. Over tcp:// the endpoint is a
+CurveZMQ server with the key pair of `--client-curve-key-file` (required there):
+everything on the wire is encrypted, and with an API key the handshake itself
+authenticates (a ZAP handler admits only the client key pair the API key stands
+for, `subway.client.zmq_curve`), so a peer without the key is turned away before
+a byte of its messages is buffered. Clients get the server's public key as a
+file (FILE.pub); the API key never crosses the wire in clear.
 
 Every message is checked before it costs anything (`_check`): no frame over
 `max_bytes` reaches us (ZMQ_MAXMSGSIZE drops the connection that sends one),
+at most RECV_HWM messages of a client are read ahead,
 frames past the envelope's four are dropped as they are read, and the envelope
 (`subway.client.protocol`) is checked in order: frame count, protocol, sizes,
 the API key (hmac.compare_digest), and only then is the body decoded as its
@@ -45,6 +56,7 @@ from subway.client.protocol import (
     GenerateRequest,
     ToFrontendEndpoint,
 )
+from subway.client.zmq_curve import client_keys
 from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.inputs import check_request, client_scheduling, completion_job
@@ -58,6 +70,8 @@ from subway.frontend.pipeline import (
     new_id,
 )
 from subway.frontend.protocol import CompletionRequest
+from subway.ipc import curve
+from subway.ipc.config import EngineConfig
 from subway.ipc.sockets import bind, cleanup_ipc
 
 log = logging.getLogger("subway.frontend")
@@ -65,6 +79,10 @@ log = logging.getLogger("subway.frontend")
 _IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt", "model")
 FRAMES = 5  # the peer's identity (added by ROUTER), then the envelope's four
 MAX_WARNED_PEERS = 1024  # peers whose first rejection is logged; later ones are only counted
+SEND_HWM = 16384  # answers queued for one client at most; past it its requests are aborted
+RECV_HWM = 64  # messages of one client read ahead at most; past it libzmq stops reading it
+CURVE_OVERHEAD = 64  # bytes a CURVE MESSAGE command adds to a frame (33; rounded up)
+KEY_FILE_FLAG = "--client-curve-key-file"
 
 
 class Rejected(Exception):
@@ -75,17 +93,38 @@ class Rejected(Exception):
         self.reply = GenerateError(request_id, status, message)
 
 
+def endpoint_keys(config: EngineConfig, address: str) -> curve.KeyPair | None:
+    """The endpoint's CurveZMQ key pair on a tcp:// `address` (None on ipc://). ValueError
+    for another transport, or for tcp:// without a key file (naming the flag);
+    PermissionError or KeyFileError for a bad key file (`curve.load_key_file`)."""
+    if address.startswith("ipc://"):
+        return None
+    if not curve.is_tcp(address):
+        raise ValueError(f"the native ZMQ endpoint takes ipc:// or tcp://, not {address[:80]!r}")
+    path = config.server.client_curve_key_file
+    if not path:
+        raise ValueError(
+            f"{address} is a tcp:// address: the native ZMQ endpoint there is CurveZMQ and "
+            f"needs a key file, given with {KEY_FILE_FLAG} (make one with `subway keygen "
+            f"FILE`; clients get its public key, FILE.pub)"
+        )
+    return curve.load_key_file(path)
+
+
 class ClientEndpoint:
-    """`rejected`: how many messages were refused (malformed, unauthenticated, too big)."""
+    """`rejected`: how many messages were refused (malformed, unauthenticated, too big),
+    and CurveZMQ handshakes turned away (on tcp://)."""
 
     def __init__(self, ctx: ServingContext, address: str, max_bytes: int | None = None) -> None:
         self.ctx = ctx
         self.address = address
+        self._keys = endpoint_keys(ctx.config, address)  # refused here, before any socket
         # The largest frame, and envelope, taken: as the HTTP door's body, at most the
         # engine's message bound.
         limit = ctx.config.ipc.max_message_bytes
         self.max_bytes = min(limit, max_bytes if max_bytes is not None else MAX_BODY_BYTES)
-        self.rejected = 0
+        self._refused = 0
+        self._auth: curve.Authenticator | None = None
         self._warned: set[bytes] = set()
         self._zmq: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -95,18 +134,51 @@ class ClientEndpoint:
         self._encoder = msgspec.msgpack.Encoder()
         self._key = ctx.config.server.api_key.encode()
 
+    @property
+    def rejected(self) -> int:
+        denied = self._auth.provider.denied if self._auth is not None else 0
+        return self._refused + denied
+
     async def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
-        self._sock = bind(
-            self._zmq,
-            zmq.ROUTER,
-            self.address,
-            ROUTER_MANDATORY=1,
-            SNDHWM=0,
-            MAXMSGSIZE=self.max_bytes,
-        )
+        opts: dict[str, int | bytes] = {
+            "ROUTER_MANDATORY": 1,
+            "SNDHWM": SEND_HWM,
+            "RCVHWM": RECV_HWM,
+            "MAXMSGSIZE": self.max_bytes,
+        }
+        if self._keys is not None:
+            opts |= self._curve_server(self._keys)
+        self._sock = bind(self._zmq, zmq.ROUTER, self.address, **opts)
         self._reader = asyncio.create_task(self._read_loop(), name="subway-client-endpoint")
-        log.info("native ZMQ endpoint at %s", self.address)
+        if self._keys is None:
+            log.info("native ZMQ endpoint at %s", self.address)
+        else:
+            log.info(
+                "native ZMQ endpoint at %s (CurveZMQ; server public key %s)",
+                self.address,
+                self._keys.public.decode(),
+            )
+
+    def _curve_server(self, keys: curve.KeyPair) -> dict[str, int | bytes]:
+        """A CURVE server's options; with an API key, a ZAP handler (started before the
+        bind, so that no handshake goes unchecked) admits only the key pair it stands for."""
+        assert self._zmq is not None
+        opts: dict[str, int | bytes] = {
+            "CURVE_SERVER": 1,
+            "CURVE_SECRETKEY": keys.secret,
+            "MAXMSGSIZE": self.max_bytes + CURVE_OVERHEAD,
+        }
+        api_key = self.ctx.config.server.api_key
+        if not api_key:
+            log.warning(
+                "the native ZMQ endpoint at %s has no API key: any client that holds its "
+                "public key may send requests (encrypted)",
+                self.address,
+            )
+            return opts
+        self._auth = curve.Authenticator(self._zmq, client_keys(api_key, keys.public)[0])
+        return opts | {"ZAP_DOMAIN": curve.ZAP_DOMAIN.encode()}
 
     async def aclose(self) -> None:
         tasks = list(self._tasks.values())
@@ -120,6 +192,9 @@ class ClientEndpoint:
             self._sock.close(linger=0)
             self._sock = None
             cleanup_ipc(self.address)
+        if self._auth is not None:  # it holds a socket of the context: before term()
+            self._auth.stop()
+            self._auth = None
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None
@@ -193,7 +268,7 @@ class ClientEndpoint:
         task.add_done_callback(lambda _t, key=key: self._tasks.pop(key, None))
 
     def _reject(self, identity: bytes, reply: GenerateError) -> None:
-        self.rejected += 1
+        self._refused += 1
         if identity not in self._warned and len(self._warned) < MAX_WARNED_PEERS:
             self._warned.add(identity)
             log.warning("ZMQ endpoint refused a message (%d: %s)", reply.status, reply.message)

@@ -109,8 +109,9 @@ class SchedulerConfig:
         '"disable_by_batch_size": 8}; empty: off'
     )  # fmt: skip
     step_timeout: float = opt(
-        300.0, "seconds one step may take before the workers count as hung and the engine "
-        "stops (no legitimate step of a model this engine serves on a CPU comes near it)"
+        0.0, "seconds one step may take before the workers count as hung and the engine "
+        "stops; 0: adaptive, max(10, 20 x the step cost model's prediction for the step), "
+        "20 s + 20 x its prior's before it has seen 4 steps (scheduler/worker_link.py)"
     )  # fmt: skip
 
 
@@ -170,6 +171,9 @@ class ServerConfig:
     grammar_timeout: float = opt(
         10.0, "seconds a structured-output grammar may take to compile; slower ones get 400"
     )
+    grammar_workers: int = opt(
+        2, "processes that compile grammars for the frontend's check (killed past the limit)"
+    )
     request_timeout: float = opt(0.0, "seconds a generation request may run; 0: no limit")
     shutdown_timeout: float = opt(5.0, "seconds SIGTERM waits for requests in flight")
     allow_client_priority: bool = opt(
@@ -178,8 +182,23 @@ class ServerConfig:
     trust_request_chat_template: bool = opt(
         False, "accept a chat template from a request (it is code the server runs)"
     )
+    max_logprobs: int = opt(
+        20, "top logprobs a request may ask per token (vLLM's --max-logprobs); more get 400"
+    )
+    max_prompt_logprobs_tokens: int = opt(
+        4096, "prompt tokens a request may ask logprobs of (echo with logprobs); longer "
+        "prompts get 400; 0: no limit"
+    )  # fmt: skip
+    max_response_bytes: int = opt(
+        32 << 20, "bytes of one whole (not streamed) response, /tokenize's and /detokenize's "
+        "too; larger get 400 (a stream has no such limit); 0: no limit"
+    )  # fmt: skip
     client_addr: str = opt("", 'native ZMQ client endpoint (default ipc://RUN_DIR/client.sock); '
                            '"off": none')  # fmt: skip
+    client_curve_key_file: str = opt(
+        "", "CurveZMQ key file (mode 0600; `subway keygen FILE`) of a tcp:// --client-addr: "
+        "clients need its public key (FILE.pub)"
+    )
 
 
 KV_ADDR_RE = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")

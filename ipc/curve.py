@@ -82,6 +82,19 @@ def write_key_file(path: str, keys: KeyPair | None = None) -> KeyPair:
     return keys
 
 
+def write_public_file(path: str, public: bytes) -> None:
+    """Write `public` alone, in pyzmq's public certificate format, to `path` (never over an
+    existing file): what a client of the native ZMQ endpoint on tcp:// is given
+    (`subway.client.zmq_curve.read_public_key`). Not secret: mode 0644."""
+    text = (
+        "#   ****  Subway CurveZMQ public key: give it to clients  ****\n"
+        f'metadata\ncurve\n    public-key = "{public.decode()}"\n'
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _check_owner_and_mode(path: str, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise PermissionError(f"CurveZMQ key file {path} is not a regular file")

@@ -5,10 +5,17 @@ A crash of the owner still leaves nothing behind in /dev/shm: the owner's
 multiprocessing resource tracker unlinks what it registered when the owner
 dies. Attaching processes unregister from their own tracker, or it would unlink
 the owner's buffer when they exit (CPython < 3.13 registers attaches too).
+
+A new buffer's pages are committed when it is made (`reserve`): a shared-memory
+file is sparse until written, so without that a full /dev/shm would surface as a
+SIGBUS on some later write, in the middle of serving. With it, it is a
+`ShmSpaceError` at start, naming the size and /dev/shm.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from collections import deque
 from multiprocessing import resource_tracker, shared_memory
 
@@ -16,15 +23,71 @@ import numpy as np
 
 from subway.ipc.messages import TokenRef
 
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux (shm_open's tmpfs)
+_ZEROS = bytes(1 << 20)  # what the fallback writes, a MiB at a time
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class ShmSpaceError(OSError):
+    """Shared memory could not be reserved: /dev/shm (or memory) has no room for it."""
+
+
+def _free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _no_room(err: OSError, nbytes: int, what: str, hint: str) -> ShmSpaceError:
+    free = _free_bytes()
+    room = f"{free} bytes free there" if free is not None else "its free space unknown"
+    msg = (
+        f"cannot reserve {nbytes} bytes of shared memory{' for ' + what if what else ''} "
+        f"in {SHM_DIR} ({room}): {err.strerror or err}; give {SHM_DIR} more room "
+        f"(docker run --shm-size=...){'; ' + hint if hint else ''}"
+    )
+    return ShmSpaceError(err.errno or errno.ENOSPC, msg)
+
+
+def _write_zeros(fd: int, nbytes: int) -> None:
+    """Commit pages by writing them (through the fd, so that no room is an error, not a
+    SIGBUS): for file systems without fallocate."""
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, _ZEROS[: min(len(_ZEROS), nbytes - done)], done)
+
+
+def reserve(
+    fd_or_shm: int | shared_memory.SharedMemory, nbytes: int, what: str = "", hint: str = ""
+) -> None:
+    """Commit the first `nbytes` of a shared-memory file (an fd, or a SharedMemory) now,
+    so that no later write through a mapping of it can fault for lack of room. Raises
+    ShmSpaceError (an OSError, errno ENOSPC as a rule) naming `what`, the size and
+    /dev/shm, with `hint` (what the user may change) appended."""
+    fd = fd_or_shm if isinstance(fd_or_shm, int) else fd_or_shm._fd  # type: ignore[attr-defined]
+    if nbytes <= 0:
+        return
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno not in _NO_FALLOCATE:
+                raise
+            _write_zeros(fd, nbytes)
+    except OSError as e:
+        raise _no_room(e, nbytes, what, hint) from None
+
 
 class TokenBuffer:
     """A fixed array of int32 token ids in POSIX shared memory."""
 
-    def __init__(self, name: str, capacity: int, create: bool) -> None:
+    def __init__(self, name: str, capacity: int, create: bool, hint: str = "") -> None:
         self.name = name
         self.owner = create
         if create:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=capacity * 4)
+            self._shm = _create_reserved(name, capacity * 4, hint)
         else:
             self._shm = shared_memory.SharedMemory(name=name, create=False)
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
@@ -32,8 +95,10 @@ class TokenBuffer:
         self.array = np.ndarray((self.capacity,), dtype=np.int32, buffer=self._shm.buf)
 
     @classmethod
-    def create(cls, name: str, capacity: int) -> TokenBuffer:
-        return cls(name, capacity, create=True)
+    def create(cls, name: str, capacity: int, hint: str = "") -> TokenBuffer:
+        """A new buffer, its pages committed: ShmSpaceError (with `hint`) when /dev/shm
+        has no room for it, and then nothing is left behind."""
+        return cls(name, capacity, create=True, hint=hint)
 
     @classmethod
     def attach(cls, name: str) -> TokenBuffer:
@@ -60,6 +125,17 @@ class TokenBuffer:
             except FileNotFoundError:
                 pass
         self._shm = None  # type: ignore[assignment]
+
+
+def _create_reserved(name: str, nbytes: int, hint: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    try:
+        reserve(shm, nbytes, what=name, hint=hint)
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm
 
 
 def resolve(ref: TokenRef, buffer: TokenBuffer | None) -> list[int]:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import threading
 import time
 import types
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -28,13 +31,17 @@ from subway.client.protocol import (
     GenerateOutput,
     GenerateRequest,
 )
+from subway.client.zmq_curve import ServerKeyError, read_public_key
 from subway.frontend.engine_client import RequestStream
 from subway.frontend.errors import APIError
 from subway.frontend.middleware import AccessRecord
 from subway.frontend.pipeline import ServingContext
-from subway.frontend.zmq_endpoint import ClientEndpoint
+from subway.frontend.zmq_endpoint import CURVE_OVERHEAD, RECV_HWM, SEND_HWM, ClientEndpoint
+from subway.ipc import curve
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import EngineReady, Grammar, SamplingParams
+
+from serving import Server
 
 KEY = "sekret-key"
 K = KEY.encode()
@@ -212,7 +219,7 @@ def test_oversize_messages_are_refused(tmp_path):
 def test_the_endpoint_bound_is_at_most_the_engine_message_bound(tmp_path):
     ctx = ServingContext(EngineConfig.build(max_message_bytes=1000), engine=None, tokenizer=None)
     assert ClientEndpoint(ctx, "ipc://unused").max_bytes == 1000
-    assert ClientEndpoint(ServingContext(EngineConfig.build(), None, None), "x").max_bytes < (
+    assert ClientEndpoint(ServingContext(EngineConfig.build(), None, None), "ipc://x").max_bytes < (
         EngineConfig.build().ipc.max_message_bytes
     )
 
@@ -277,6 +284,7 @@ class RecordingEngine:
             eos_token_ids=[2],
         )  # fmt: skip
         self.link = types.SimpleNamespace(info=ready, ready=True, error=None, stats=None)
+        self.config = EngineConfig.build()  # what EngineClient has (its output bounds)
         self.submitted: list[SamplingParams] = []
 
     def check_capacity(self, n: int, tokens: int = 0) -> None:
@@ -320,3 +328,244 @@ def test_structured_outputs_are_compiled_and_refused_as_over_http(default_model,
     assert first.grammar == Grammar("ebnf", 'root ::= "yes" | "no"')
     assert first.logit_bias == {5: 1.0} and first.min_tokens == 2
     assert second.grammar == Grammar("json_object")
+
+
+# ------------------------------------------------------------ tcp://: CurveZMQ
+
+
+class Tap:
+    """A TCP relay between clients and an endpoint that keeps every byte it carries: what
+    an eavesdropper on the network would read."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target[len("tcp://") :].rpartition(":")
+        self.target = (host, int(port))
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self.target)
+            self._socks += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                with self._lock:
+                    self.seen += data
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def _tcp() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def endpoint_key(tmp_path) -> tuple[str, str]:
+    """(the endpoint's key file, its public part): as `subway keygen FILE` makes them."""
+    path = str(tmp_path / "endpoint.key")
+    curve.write_public_file(path + ".pub", curve.write_key_file(path).public)
+    return path, path + ".pub"
+
+
+@contextlib.asynccontextmanager
+async def tcp_endpoint(key_file: str, key: str = KEY):
+    config = EngineConfig.build(api_key=key, client_curve_key_file=key_file)
+    ep = EchoEndpoint(ServingContext(config, engine=None, tokenizer=None), _tcp())
+    ep._decoder = CountingDecoder(ep._decoder)
+    await ep.start()
+    try:
+        yield ep
+    finally:
+        await ep.aclose()
+
+
+def test_tcp_needs_a_key_file_and_no_other_transport_is_taken(endpoint_key, tmp_path):
+    key_file, public_file = endpoint_key
+
+    def make(address: str, **flat) -> ClientEndpoint:
+        return ClientEndpoint(ServingContext(EngineConfig.build(**flat), None, None), address)
+
+    with pytest.raises(ValueError, match="--client-curve-key-file"):
+        make("tcp://127.0.0.1:5555")
+    for address in ("inproc://x", "ws://127.0.0.1:5555", "tipc://x", "127.0.0.1:5555"):
+        with pytest.raises(ValueError, match="ipc:// or tcp://"):
+            make(address)
+    os.chmod(key_file, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        make("tcp://127.0.0.1:5555", client_curve_key_file=key_file)
+    # The client: a tcp:// endpoint needs the server's public key, and only that.
+    with pytest.raises(ValueError, match="server_key_file"):
+        Client("tcp://127.0.0.1:5555")
+    with pytest.raises(ServerKeyError, match="secret key"):
+        Client("tcp://127.0.0.1:5555", server_key_file=key_file)
+    bare = tmp_path / "bare.pub"
+    bare.write_text(read_public_key(public_file).decode() + "\n")
+    assert read_public_key(str(bare)) == read_public_key(public_file)
+    bare.write_text("not a key\n")
+    with pytest.raises(ServerKeyError):
+        read_public_key(str(bare))
+
+
+def test_over_tcp_only_the_api_key_gets_in_and_nothing_crosses_in_clear(endpoint_key):
+    """A peer without the API key (a plain socket, or CURVE with the wrong key) is turned
+    away in the handshake: not one byte of its messages is decoded, the clients hear 401
+    at once (not a timeout), and the endpoint serves on. What the right client sends
+    crosses the wire encrypted: no API key, prompt or envelope in the bytes a tap reads."""
+    key_file, public_file = endpoint_key
+    secret_prompt = "the-prompt-nobody-may-read"
+
+    async def main():
+        async with tcp_endpoint(key_file) as ep, dealer(ep.address) as plain:
+            await plain.send_multipart(good("p1"))  # the right key, but in clear
+            assert not await plain.poll(1000), "a plaintext peer got an answer"
+            with pytest.raises(RequestError) as e:
+                async with AsyncClient(ep.address, "wrong", 10, public_file) as client:
+                    await client.generate("x")
+            assert e.value.status == 401
+            # Turned away in the handshake: no message of theirs reached the read loop.
+            assert ep._decoder.sizes == [] and ep._refused == 0 and ep.rejected >= 1
+            tap = Tap(ep.address)
+            try:
+                async with AsyncClient(tap.address, KEY, 10, public_file) as client:
+                    assert (await client.generate(secret_prompt)).text == secret_prompt
+            finally:
+                tap.close()
+            assert len(tap.seen) > len(secret_prompt)
+            for clear in (K, secret_prompt.encode(), PROTOCOL):
+                assert clear not in tap.seen
+            assert len(ep._decoder.sizes) == 1
+
+    asyncio.run(main())
+    with contextlib.ExitStack() as stack:  # the blocking client, and a wrong server key
+        ep_loop = stack.enter_context(_running(tcp_endpoint(key_file)))
+        address = ep_loop.address
+        with Client(address, KEY, 10, public_file) as client:
+            assert client.generate("abc").text == "abc"
+        with Client(address, "wrong", 10, public_file) as client:
+            with pytest.raises(RequestError) as e:
+                client.generate("abc")
+            assert e.value.status == 401
+        other = os.path.join(os.path.dirname(public_file), "other.pub")
+        curve.write_public_file(other, curve.new_keypair().public)
+        with Client(address, KEY, 10, other) as client:
+            with pytest.raises(RequestError) as e:
+                client.generate("abc")
+            assert e.value.status == 503
+
+
+def test_without_an_api_key_tcp_is_still_encrypted(endpoint_key):
+    key_file, public_file = endpoint_key
+
+    async def main():
+        async with tcp_endpoint(key_file, key="") as ep:
+            tap = Tap(ep.address)
+            try:
+                async with AsyncClient(tap.address, "", 10, public_file) as client:
+                    assert (await client.generate("plain-words")).text == "plain-words"
+            finally:
+                tap.close()
+            assert b"plain-words" not in tap.seen and PROTOCOL not in tap.seen
+
+    asyncio.run(main())
+
+
+def test_queues_and_messages_are_bounded(endpoint_key, tmp_path):
+    """No unbounded queue for a client that does not read (SNDHWM 0 was one), a bounded
+    read-ahead per client, and ZMQ_MAXMSGSIZE on both transports."""
+    key_file, _ = endpoint_key
+
+    async def main():
+        for make in (lambda: endpoint(tmp_path), lambda: tcp_endpoint(key_file)):
+            async with make() as ep:
+                sock = ep._sock
+                assert sock.getsockopt(zmq.SNDHWM) == SEND_HWM > 0
+                assert sock.getsockopt(zmq.RCVHWM) == RECV_HWM > 0
+                over = CURVE_OVERHEAD if ep.address.startswith("tcp://") else 0
+                assert sock.getsockopt(zmq.MAXMSGSIZE) == ep.max_bytes + over
+
+    asyncio.run(main())
+
+
+class _running:
+    """An async endpoint context run on a loop of its own thread, for blocking clients."""
+
+    def __init__(self, cm) -> None:
+        self._cm = cm
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ClientEndpoint:
+        self._thread.start()
+        run = asyncio.run_coroutine_threadsafe
+        return run(self._cm.__aenter__(), self._loop).result(10)
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._cm.__aexit__(None, None, None), self._loop).result(
+            10
+        )
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def test_serve_with_a_tcp_endpoint_admits_only_the_key_and_encrypts(
+    tiny_models, endpoint_key, tmp_path
+):
+    """A live `subway serve --client-addr tcp://...`: the key holder streams tokens through
+    a tap that reads neither the API key nor the prompt; a plaintext peer with the right
+    key in its envelope, and a CURVE peer with a wrong key, are turned away in the
+    handshake; serve keeps running and HTTP keeps answering."""
+    key_file, public_file = endpoint_key
+    api_key_file = tmp_path / "api.key"
+    api_key_file.write_text(KEY)
+    api_key_file.chmod(0o600)
+    address = _tcp()
+    flags = ["--client-addr", address, "--client-curve-key-file", key_file]
+    flags += ["--api-key-file", str(api_key_file), "--max-model-len", "512"]
+    server = Server(tiny_models["qwen2"], *flags)
+    prompt = "Subway trains run every few minutes because"
+    tap = Tap(address)
+    try:
+        plain = zmq.Context.instance().socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(address)
+        plain.send_multipart(good("p1", prompt))
+        assert not plain.poll(1000), "a plaintext peer got an answer"
+        plain.close()
+        with Client(address, "wrong", 30, public_file) as client:
+            with pytest.raises(RequestError) as e:
+                client.generate(prompt, max_tokens=4)
+            assert e.value.status == 401
+        with Client(tap.address, KEY, 60, public_file) as client:
+            outs = list(client.stream(prompt, max_tokens=8, temperature=0, ignore_eos=True))
+        assert sum(len(o.token_ids) for o in outs) == 8 and outs[-1].finish_reason == "length"
+        for clear in (K, prompt.encode(), PROTOCOL):
+            assert clear not in tap.seen
+        headers = {"Authorization": f"Bearer {KEY}"}
+        body = {"prompt": prompt, "max_tokens": 2}
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and server.proc.poll() is None
+    finally:
+        tap.close()
+        server.stop()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +67,81 @@ class TensorParallel:
 def init_distributed(
     world_size: int, rank: int, init_addr: str, device: torch.device, timeout: float = 300.0
 ) -> None:
-    """Join the process group: gloo on the CPU, nccl on CUDA, rendezvous at tcp://init_addr.
-    A collective (and the rendezvous) that waits `timeout` seconds for another rank fails:
-    gloo raises, nccl's watchdog ends the process; either way the scheduler hears of it."""
+    """Join the process group: gloo on the CPU, nccl on CUDA, rendezvous at `init_addr`
+    (host:port, `[v6]:port` too). A collective (and the rendezvous) that waits `timeout`
+    seconds for another rank fails: gloo raises, nccl's watchdog ends the process; either
+    way the scheduler hears of it."""
     if world_size <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{init_addr}",
-        world_size=world_size,
-        rank=rank,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    host, port = split_host_port(init_addr)
+    if backend == "gloo" and is_loopback(host):
+        _gloo_on_loopback()
+    wait = datetime.timedelta(seconds=timeout)
+    store = rendezvous_store(host, port, world_size, rank == 0, wait)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=wait)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("::1", 29533) from "[::1]:29533"; ValueError for what is not HOST:PORT."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, not {addr[:80]!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def rendezvous_store(
+    host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """The rendezvous store. Rank 0 serves it on `host` alone: torch's TCPStore would
+    listen on every interface whatever the host (its server binds the wildcard address),
+    so that anyone who can reach the port could read and write the keys the ranks meet
+    by. Here rank 0 binds the socket itself and hands it over (`master_listen_fd`)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    fd = _listen(host, port).detach()  # the store owns (and closes) the fd from here
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return socket.create_server(addr[:2], family=family, backlog=128)
+    except OSError as e:  # in use, or not an address of this host
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} (--dist-init-addr): {e.strerror or e}"
+        ) from None
+
+
+def _gloo_on_loopback() -> None:
+    """Gloo's own listening sockets follow this host's name (often a LAN address): with a
+    loopback rendezvous every rank is on this host, so they go on the loopback interface
+    too (GLOO_SOCKET_IFNAME, unless the user set one)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = _loopback_interface()
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (IFF_LOOPBACK in its flags), from /sys/class/net."""
+    for _, name in socket.if_nameindex():
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & 0x8:
+                    return name
+        except (OSError, ValueError):
+            continue
+    return None
