@@ -17,9 +17,19 @@ different hosts (or the buffer is full).
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
+
+from subway.ipc.grammar_messages import (  # noqa: F401 - part of the contract, re-exported
+    GRAMMAR_KINDS,
+    JSON_OBJECT_SCHEMA,
+    MAX_GRAMMAR_CHARS,
+    Grammar,
+    GrammarPrepare,
+    GrammarReady,
+    GrammarRelease,
+    grammar_key,
+)
+from subway.ipc.kv_messages import KvBlocks, KvFetch, KvLayout  # noqa: F401 - re-exported
 
 
 class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -30,37 +40,7 @@ class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
     ids: list[int] | None = None
 
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what kind json_object compiles as, on both sides
-MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's spec, at most (1 MiB of text)
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias, at most (OpenAI: 300)
-
-
-class Grammar(msgspec.Struct, array_like=True, frozen=True):
-    """An output constraint (structured outputs, tool calls), applied by rank 0's sampler.
-
-    `kind` is one of `GRAMMAR_KINDS`; `spec` the JSON schema as text, the regex or
-    the EBNF grammar (xgrammar's dialect), empty for `json_object` (any JSON object).
-    The frontend compiles it first (a bad or slow one is a 400 there); the worker
-    compiles it again with its own cache, off the step's critical path.
-    """
-
-    kind: str
-    spec: str = ""
-    # JSON kinds: no free whitespace (", " and ": " only, as json.dumps writes it), vLLM's
-    # disable_any_whitespace; small models otherwise can spend max_tokens on whitespace.
-    compact: bool = False
-    # Set by the scheduler in the `NewSeq` it sends (with `spec` emptied): the grammar's
-    # `grammar_key`, whose text reached the workers once, in a `GrammarPrepare`.
-    key: int = 0
-
-
-def grammar_key(g: Grammar) -> int:
-    """A grammar's content hash (63 bits, never 0): its name on the workers."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{g.kind}\0{int(g.compact)}\0".encode())
-    h.update(g.spec.encode("utf-8", "surrogatepass"))
-    return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -238,15 +218,6 @@ class KvImported(msgspec.Struct, tag="kv_imported", omit_defaults=True):
     error: str = ""
 
 
-class GrammarReady(msgspec.Struct, tag="grammar_ready", omit_defaults=True):
-    """Rank 0's answer to a `GrammarPrepare`: compiled (`ok`), or not within the compile
-    time limit or not at all (`error` says why; its requests end with an error)."""
-
-    key: int
-    ok: bool
-    error: str = ""
-
-
 FromWorker = WorkerReady | StepResult | WorkerError | KvImported | GrammarReady
 
 
@@ -318,68 +289,7 @@ class KvImport(msgspec.Struct, tag="kv_import"):
     incarnation: int = 0
 
 
-class GrammarPrepare(msgspec.Struct, tag="grammar"):
-    """Compile `grammar` (rank 0) and answer with a `GrammarReady`: each grammar's text
-    crosses to the workers once, however many sequences use it; `NewSeq`s name it by `key`
-    (`grammar_key`). The workers keep it until a `GrammarRelease` names it."""
-
-    key: int
-    grammar: Grammar
-
-
-class GrammarRelease(msgspec.Struct, tag="grammar_release"):
-    """No live request uses these grammars any more (sequences already made keep theirs)."""
-
-    keys: list[int]
-
-
 ToWorker = Plan | Shutdown | KvImport | GrammarPrepare | GrammarRelease
-
-
-# ------------------------------------------- decode worker <-> prefill worker (other hosts)
-
-
-class KvLayout(msgspec.Struct, frozen=True):
-    """One rank's KV caches: `num_layers` pairs (keys, values) of
-    [num_blocks, block_size, num_kv_heads, width] tensors of `dtype`."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    width: int  # a head vector's elements (head_dim, or head_dim + 4 int8 with its scale)
-    dtype: str
-
-    @property
-    def cache_elems(self) -> int:
-        return self.num_blocks * self.block_size * self.num_kv_heads * self.width
-
-    def same_blocks(self, other: KvLayout) -> bool:
-        """Whether a block of one is a block of the other (all but the block count)."""
-        return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(
-            other, num_blocks=0
-        )
-
-
-class KvFetch(msgspec.Struct, tag="kv_fetch"):
-    """A decode worker asks the prefill worker of its rank for blocks of that worker's
-    caches, under a lease that the server checks after reading them: worker/kv_remote.py."""
-
-    fetch_id: int
-    blocks: list[int]
-    # The lease the blocks are asked under (`KvLease`): the server answers only while it holds.
-    slot: int = -1
-    generation: int = 0
-    incarnation: int = 0
-
-
-class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
-    """The answer's first frame. Unless `error`, 2 * layout.num_layers raw frames follow,
-    layer by layer, keys then values: each the asked blocks, in the order asked."""
-
-    fetch_id: int
-    layout: KvLayout | None = None
-    error: str = ""
 
 
 # ---------------------------------------------------------------- scheduler -> frontend

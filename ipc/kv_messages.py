@@ -1,0 +1,49 @@
+"""The messages between a decode worker and the prefill worker of its rank on another host
+(`worker/kv_remote.py`): part of the contract, re-exported by `messages.py`."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KvLayout(msgspec.Struct, frozen=True):
+    """One rank's KV caches: `num_layers` pairs (keys, values) of
+    [num_blocks, block_size, num_kv_heads, width] tensors of `dtype`."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    width: int  # a head vector's elements (head_dim, or head_dim + 4 int8 with its scale)
+    dtype: str
+
+    @property
+    def cache_elems(self) -> int:
+        return self.num_blocks * self.block_size * self.num_kv_heads * self.width
+
+    def same_blocks(self, other: KvLayout) -> bool:
+        """Whether a block of one is a block of the other (all but the block count)."""
+        return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(
+            other, num_blocks=0
+        )
+
+
+class KvFetch(msgspec.Struct, tag="kv_fetch"):
+    """A decode worker asks the prefill worker of its rank for blocks of that worker's
+    caches, under a lease that the server checks after reading them: worker/kv_remote.py."""
+
+    fetch_id: int
+    blocks: list[int]
+    # The lease the blocks are asked under (`KvLease`): the server answers only while it holds.
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0
+
+
+class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
+    """The answer's first frame. Unless `error`, 2 * layout.num_layers raw frames follow,
+    layer by layer, keys then values: each the asked blocks, in the order asked."""
+
+    fetch_id: int
+    layout: KvLayout | None = None
+    error: str = ""
