@@ -2,15 +2,19 @@
 
 Requests reject NaN and infinities, out-of-range sampling values, unknown
 content part types, values of the wrong JSON type (`"stream": "yes"`: strict
-mode) and stop strings beyond `MAX_STOP_STRINGS` of `MAX_STOP_CHARS` characters
-each (each is matched against the text after every token) at parse time; checks that need the engine (context length,
-vocabulary) live in `inputs.py`. Unknown request fields are ignored, as the
-OpenAI clients send some (`user`, ...) that change nothing here. Integers are
-bounded so that every accepted value fits the engine's 64-bit fields.
+mode), stop strings beyond `MAX_STOP_STRINGS` of `MAX_STOP_CHARS` characters
+each (each is matched against the text after every token) and `logit_bias` keys
+that are not plain decimal integers ("²", "０", " 1") at parse time; checks that
+need the engine (context length, vocabulary) live in `inputs.py`. Unknown
+request fields are ignored, as the OpenAI clients send some (`user`, ...) that
+change nothing here. Integers are bounded so that every accepted value fits the
+engine's 64-bit fields, and the temperature and repetition penalty so that the
+sampler's float32 logits stay finite.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import (
@@ -28,6 +32,14 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # stop strings of one request at most
 MAX_STOP_CHARS = 256  # characters of one stop string at most
 MAX_LOGIT_BIAS = 1024  # logit_bias entries at most (as ipc.messages allows)
+# A logit_bias key: a plain decimal integer in ASCII digits. str.isdigit() takes "²" (which
+# int() refuses) and int() takes "０", " 1", "1_0" and "+1": neither is the test.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
+# The sampler divides float32 logits by these: past the bounds, a value overflows (1e308
+# is inf in float32, 5e-324 is 0), the logits turn to NaN and a grammar's mask no longer
+# holds. No sampling needs more.
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 
 # ---------------------------------------------------------------- requests
 
@@ -81,7 +93,7 @@ class SamplingRequest(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -91,7 +103,9 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=1e4)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
@@ -134,8 +148,10 @@ class SamplingRequest(_Request):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
         for k, b in v.items():
-            if not k.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, not {k[:32]!r}")
+            if not _TOKEN_ID_KEY.fullmatch(k):
+                raise ValueError(
+                    f"logit_bias keys are token ids (decimal integers), not {k[:32]!r}"
+                )
             if not -100.0 <= b <= 100.0:
                 raise ValueError("a logit_bias value is outside [-100, 100]")
         return v

@@ -19,6 +19,10 @@ from subway.ipc.messages import (
 
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGPROBS = 20  # top alternatives per position, as OpenAI allows
+# As the frontend's (protocol.py): the sampler divides float32 logits by these, and past
+# them a value overflows float32 and turns the logits to NaN (a grammar's mask then fails).
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 
 
 def check_add(msg: AddRequest, vocab_size: int) -> str | None:
@@ -43,7 +47,10 @@ def check_sampling(sp: SamplingParams, vocab_size: int) -> str | None:
         return "a sampling parameter that is not a finite number"
     if sp.max_tokens < 0 or sp.temperature < 0 or not 0 < sp.top_p <= 1:
         return "max_tokens, temperature or top_p out of range"
-    if sp.top_k < -1 or not 0 <= sp.min_p <= 1 or sp.repetition_penalty <= 0:
+    if sp.temperature > MAX_TEMPERATURE:
+        return f"temperature above {MAX_TEMPERATURE:g}"
+    rep_range = MIN_REPETITION_PENALTY <= sp.repetition_penalty <= MAX_REPETITION_PENALTY
+    if sp.top_k < -1 or not 0 <= sp.min_p <= 1 or not rep_range:
         return "top_k, min_p or repetition_penalty out of range"
     for k in (sp.logprobs, sp.prompt_logprobs):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
