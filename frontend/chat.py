@@ -23,7 +23,7 @@ from subway.frontend.inputs import (
     resolve_max_tokens,
     sampling_params,
 )
-from subway.frontend.logprobs import chat_logprobs
+from subway.frontend.logprobs import chat_logprobs, entries, render
 from subway.frontend.protocol import ChatCompletionRequest
 from subway.frontend.responses import (
     AssistantMessage,
@@ -120,9 +120,9 @@ class ChatView(View):
             finish = finish_reason(ev.finish_reason, parser)
             if not (delta.content or delta.tool_calls or finish or ev.logprobs):
                 continue
-            lp = (
-                chat_logprobs(self.tokenizer, ev.logprobs) if ev.logprobs and req.logprobs else None
-            )
+            lp = None
+            if ev.logprobs and req.logprobs:
+                lp = await render(chat_logprobs, entries(ev.logprobs), self.tokenizer, ev.logprobs)
             choice = ChatChunkChoice(index=ev.index, delta=delta, logprobs=lp, finish_reason=finish)
             yield self._chunk([choice])
         if req.include_usage:
@@ -134,6 +134,10 @@ class ChatView(View):
     def add_logprobs(self, into: ChatLogprobs, ev: ChoiceEvent, offset: int) -> None:
         if ev.logprobs is not None and into.content is not None:
             into.content += chat_logprobs(self.tokenizer, ev.logprobs).content or []
+
+    def merge_logprobs(self, into: ChatLogprobs, more: ChatLogprobs) -> None:
+        if into.content is not None:
+            into.content += more.content or []
 
     def response(self, texts, lps, finish, usage: Usage) -> ChatCompletionResponse:
         choices = []

@@ -12,6 +12,10 @@ client disconnect cancels every task at once, which aborts their engine
 requests, even when nobody reads the stream any more. A deadline (the
 request's timeout) ends every unfinished choice with finish_reason "abort".
 
+What a choice asks the frontend to render is bounded before it is submitted
+(`check_output_bounds`): top logprobs per token at most `--max-logprobs`, prompt
+positions with logprobs at most `--max-prompt-logprobs-tokens`; past them, 400.
+
 Metrics are observed as tokens arrive (time to first token, inter-token
 latency) and when a choice ends, however it ends (end-to-end latency, finish
 reason). Logprobs leave here as `TokenLogprob`s: token ids and numbers, which
@@ -32,10 +36,12 @@ from starlette.requests import Request
 
 from subway.frontend.detokenizer import Detokenizer
 from subway.frontend.engine_client import EngineClient, EngineDeadError, RequestStream
+from subway.frontend.errors import APIError
 from subway.frontend.inputs import Job, runs_per_prompt
 from subway.frontend.logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
 from subway.frontend.metrics import Metrics
 from subway.frontend.protocol import SamplingRequest
+from subway.ipc.config import EngineConfig
 from subway.ipc.messages import PromptLogprobs, RequestDelta, SamplingParams
 
 
@@ -59,6 +65,7 @@ class ChoiceSpec:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"
+    logprobs_param: str = "logprobs"  # the request's field that asks top logprobs
 
 
 @dataclass
@@ -90,9 +97,34 @@ def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]
                     priority=req.priority,
                     slo_ttft_ms=req.slo_ttft_ms,
                     slo_class=req.slo_class,
+                    logprobs_param="top_logprobs" if hasattr(req, "top_logprobs") else "logprobs",
                 )
             )
     return specs
+
+
+def check_output_bounds(specs: list[ChoiceSpec], config: EngineConfig) -> None:
+    """400 for a choice that asks more top logprobs per token than `--max-logprobs`, or
+    logprobs of more prompt tokens than `--max-prompt-logprobs-tokens` (each rendered
+    entry is a decode and a JSON object: a request may not multiply them at will)."""
+    server = config.server
+    for s in specs:
+        top = max(s.sampling.logprobs or 0, s.sampling.prompt_logprobs or 0)
+        if top > server.max_logprobs:
+            raise APIError(
+                400,
+                f"{s.logprobs_param}={top} is more than this server's limit of "
+                f"{server.max_logprobs} (--max-logprobs)",
+                s.logprobs_param,
+            )
+        positions, limit = len(s.prompt_ids), server.max_prompt_logprobs_tokens
+        if s.sampling.prompt_logprobs is not None and 0 < limit < positions:
+            raise APIError(
+                400,
+                f"the prompt has {positions} tokens; this server returns the logprobs of at "
+                f"most {limit} prompt tokens (--max-prompt-logprobs-tokens)",
+                "echo",
+            )
 
 
 def _choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
@@ -238,7 +270,9 @@ class ChoiceGroup:
     ) -> None:
         """`on_event` sees every event `events()` yields (the access record notes them)."""
         self.on_event = on_event
+        self.max_bytes = engine.config.server.max_response_bytes  # a whole answer's, at most
         self.streams: list[RequestStream] = []
+        check_output_bounds(specs, engine.config)
         engine.check_capacity(len(specs), sum(len(s.prompt_ids) for s in specs))
         try:
             for s in specs:

@@ -7,15 +7,29 @@ detokenized (`choices.py`). `completion_logprobs`, `chat_logprobs` and
 `native_logprobs` render those for `/v1/completions`, `/v1/chat/completions`
 and the native ZMQ endpoint. NaN (not computed) is None in JSON; -inf is
 clamped as vLLM does.
+
+A token's text is decoded once per tokenizer and kept (`token_text`: at most one
+entry per vocabulary id), so rendering k top logprobs costs k dictionary lookups,
+not k decodes. Renderings of many entries (a prompt's logprobs with `echo`) run
+on a thread (`render`), so that the event loop does no work that grows with the
+prompt; `rendered_size` is what an answer's byte limit counts for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from subway.frontend.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from subway.ipc.messages import PromptLogprobs, RequestDelta
+
+T = TypeVar("T")
+OFFLOAD_ENTRIES = 256  # renderings of more entries (tokens x (1 + top)) run on a thread
+_texts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -60,8 +74,51 @@ def prompt_token_logprobs(
     return out
 
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def token_text(tokenizer, token_id: int) -> str:
+    """`tokenizer.decode([token_id])`, cached per tokenizer."""
+    try:
+        texts = _texts[tokenizer]
+    except KeyError:
+        texts = _texts[tokenizer] = {}
+    except TypeError:  # not weak-referenceable: no cache
+        return tokenizer.decode([token_id])
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = tokenizer.decode([token_id])
+    return text
+
+
+def entries(lps: list[TokenLogprob] | None) -> int:
+    """How many token texts rendering `lps` takes: each token and its alternatives."""
+    return sum(1 + len(lp.top or ()) for lp in lps or ())
+
+
+async def render(fn: Callable[..., T], count: int, *args) -> T:
+    """`fn(*args)`, a rendering of `count` entries: on a thread when they are many, so
+    that the event loop never renders a prompt's worth of logprobs."""
+    if count > OFFLOAD_ENTRIES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def rendered_size(lp) -> int:
+    """About how many bytes a rendered `CompletionLogprobs` or `ChatLogprobs` takes as
+    JSON: the UTF-8 of its token texts (a chat entry's twice: the text and its `bytes`,
+    counted at 4 a byte), and 24 for each number and its punctuation."""
+    if isinstance(lp, CompletionLogprobs):
+        size = sum(_utf8_len(t) + 48 for t in lp.tokens)
+        for top in lp.top_logprobs:
+            size += sum(_utf8_len(t) + 28 for t in top or ())
+        return size
+    size = 0
+    for c in lp.content or ():
+        size += 5 * _utf8_len(c.token) + 64
+        size += sum(5 * _utf8_len(t.token) + 48 for t in c.top_logprobs)
+    return size
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
@@ -72,13 +129,13 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> Comp
     """
     out = CompletionLogprobs()
     for lp in lps:
-        token = _token_text(tokenizer, lp.token_id)
+        token = token_text(tokenizer, lp.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
         if lp.logprob is None or lp.top is None:
             out.top_logprobs.append(None)
         else:
-            top = {_token_text(tokenizer, t): v for t, v in lp.top}
+            top = {token_text(tokenizer, t): v for t, v in lp.top}
             top.setdefault(token, lp.logprob)
             out.top_logprobs.append(top)
         out.text_offset.append(offset)
@@ -95,7 +152,7 @@ def extend(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
 
 def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> ChatLogprobs:
     def top(token_id: int, logprob: float | None) -> TopLogprob:
-        token = _token_text(tokenizer, token_id)
+        token = token_text(tokenizer, token_id)
         value = -9999.0 if logprob is None else logprob
         return TopLogprob(token=token, logprob=value, bytes=list(token.encode()))
 

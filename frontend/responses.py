@@ -1,9 +1,17 @@
 """OpenAI API response models: completions, chat completions (whole and streamed chunks),
-errors, tokenize, models. The requests are `protocol.py`'s."""
+errors, tokenize, models. The requests are `protocol.py`'s.
+
+`render_fields` renders a body of long lists or strings (`/tokenize`'s,
+`/detokenize`'s) `RENDER_PIECE` items at a time, under a byte limit: each
+`json.dumps` call holds the GIL, so one call over millions of items would stall
+the event loop even from another thread.
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
@@ -179,3 +187,44 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+RENDER_PIECE = 65536  # list items or characters one json.dumps call renders at most
+
+
+class TooLarge(Exception):
+    """A body that would pass its byte limit."""
+
+
+def render_fields(fields: dict[str, object], max_bytes: int = 0) -> bytes:
+    """`fields` (strings, numbers, None, lists of them) as a JSON object, as FastAPI's
+    JSONResponse renders it; TooLarge past `max_bytes` (0: no limit), before rendering
+    the rest."""
+    parts, size = [b"{"], 2
+    for k, (name, value) in enumerate(fields.items()):
+        parts.append((("," if k else "") + json.dumps(name) + ":").encode())
+        for piece in _pieces(value):
+            size += len(piece) + 1
+            if max_bytes and size > max_bytes:
+                raise TooLarge(f"more than {max_bytes} bytes")
+            parts.append(piece)
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def _pieces(value: object) -> Iterator[bytes]:
+    if isinstance(value, list) and len(value) > RENDER_PIECE:
+        for i in range(0, len(value), RENDER_PIECE):
+            yield (b"," if i else b"[") + _dumps(value[i : i + RENDER_PIECE])[1:-1]
+        yield b"]"
+    elif isinstance(value, str) and len(value) > RENDER_PIECE:
+        yield b'"'
+        for i in range(0, len(value), RENDER_PIECE):
+            yield _dumps(value[i : i + RENDER_PIECE])[1:-1]
+        yield b'"'
+    else:
+        yield _dumps(value)
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

@@ -10,6 +10,12 @@ access log); below it, uvicorn speaks HTTP through `http_limits.guarded_h11`
 Routes: `/v1/completions` and `/v1/chat/completions` (added by
 `pipeline.add_generation_routes`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
 `/health`, `/metrics`.
+
+`/tokenize` and `/detokenize` do on the event loop only what does not grow with
+the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
+number of ids a tokenizer call), the token strings and the rendering of the
+answer (`render_fields`, under `--max-response-bytes`) all run on the offload
+threads, in steps that each hold the GIL briefly.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from subway import __version__
 from subway.frontend.chat import chat_prompt
+from subway.frontend.detokenizer import decode_long
 from subway.frontend.engine_client import EngineClient
 from subway.frontend.engine_group import EngineGroup
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
-from subway.frontend.inputs import check_model, check_token_ids, encode, parse
+from subway.frontend.inputs import Limits, check_model, check_token_ids, encode, parse
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,
@@ -46,7 +53,9 @@ from subway.frontend.responses import (
     ModelCard,
     ModelList,
     TokenizeResponse,
+    TooLarge,
     VersionResponse,
+    render_fields,
 )
 from subway.frontend.zmq_endpoint import ClientEndpoint
 from subway.ipc.config import EngineConfig
@@ -187,8 +196,10 @@ def build_app(
 
     add_generation_routes(app, ctx)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> TokenizeResponse:
+    max_bytes = config.server.max_response_bytes
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: Request) -> Response:
         body = await request.body()
         req = await ctx.offload.run(parse, TokenizeRequest, body, what="parsing the request body")
         check_model(req, config)
@@ -210,19 +221,52 @@ def build_app(
                 encode, tok, req.prompt, req.add_special_tokens, "prompt",
                 what="tokenizing the prompt", param="prompt",
             )  # fmt: skip
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return TokenizeResponse(
-            count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs
-        )
+        content = await ctx.offload.run(
+            _tokenized, tok, ids, req.return_token_strs, limits, max_bytes,
+            what="rendering the tokens",
+        )  # fmt: skip
+        return Response(content, media_type="application/json")
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> DetokenizeResponse:
-        req = parse(DetokenizeRequest, await request.body())
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: Request) -> Response:
+        body = await request.body()
+        req = await ctx.offload.run(parse, DetokenizeRequest, body, what="parsing the request body")
         check_model(req, config)
-        check_token_ids(req.tokens, ctx.limits(), "tokens")
-        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+        content = await ctx.offload.run(
+            _detokenized, tok, req.tokens, ctx.limits(), max_bytes,
+            what="detokenizing", param="tokens",
+        )  # fmt: skip
+        return Response(content, media_type="application/json")
 
     return app
+
+
+def _tokenized(tok, ids: list[int], strs: bool, limits: Limits, max_bytes: int) -> bytes:
+    """`/tokenize`'s answer (on an offload thread)."""
+    fields = {
+        "count": len(ids),
+        "max_model_len": limits.max_model_len,
+        "tokens": ids,
+        "token_strs": tok.convert_ids_to_tokens(ids) if strs else None,
+    }
+    return _bounded(fields, max_bytes)
+
+
+def _detokenized(tok, ids: list[int], limits: Limits, max_bytes: int) -> bytes:
+    """`/detokenize`'s answer (on an offload thread)."""
+    check_token_ids(ids, limits, "tokens")
+    return _bounded({"prompt": decode_long(tok, ids)}, max_bytes)
+
+
+def _bounded(fields: dict[str, object], max_bytes: int) -> bytes:
+    try:
+        return render_fields(fields, max_bytes)
+    except TooLarge:
+        raise APIError(
+            400,
+            f"the response would be larger than this server's limit of {max_bytes} bytes "
+            "(--max-response-bytes)",
+        ) from None
 
 
 def run_frontend(config: EngineConfig) -> int:

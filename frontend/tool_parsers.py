@@ -7,14 +7,23 @@ a whole one agree. `HermesParser` (tool_choice "auto") finds
 ("required") reads the constrained JSON array of calls; `NamedParser` (a named
 function) takes the whole output as the call's arguments. Which one a request
 gets is `tools.tool_parser`'s choice.
+
+Each piece costs its own length, however long the output: `HermesParser` searches
+only the new text (after the few characters that may begin a marker) and keeps a
+block's body, or the blank text it holds back, as a list of pieces; JSON nested
+deeper than `MAX_JSON_DEPTH` is no call (a model's output of 10^5 "[" must neither
+recurse nor be read twice).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+MAX_JSON_DEPTH = 64  # nesting of a call's JSON at most; deeper output is content
+_SPECIAL = re.compile(r'[\[\]{}"\\]')  # what json_depth looks at
 
 
 @dataclass
@@ -41,12 +50,40 @@ class ToolParser:
         raise NotImplementedError
 
 
+def json_depth(text: str) -> int:
+    """How deep the brackets of JSON text nest (outside its strings): one pass over the
+    text's brackets, quotes and backslashes."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return 0  # too few brackets to nest too deep: no scan
+    depth = deepest = 0
+    in_string, escaped_at = False, -1
+    for m in _SPECIAL.finditer(text):
+        ch, at = m.group(), m.start()
+        if in_string:
+            if at == escaped_at:
+                continue
+            if ch == "\\":
+                escaped_at = at + 1
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def _call(text: str, arguments_key: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call's JSON, or None if it is not one. Hermes
     models write "arguments", some "parameters": `arguments_key` first, then the other."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        return None
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -54,7 +91,10 @@ def _call(text: str, arguments_key: str) -> tuple[str, str] | None:
     args = obj.get(arguments_key, obj.get(other, {}))
     if not isinstance(args, dict):
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    try:
+        return obj["name"], json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _marker_prefix(text: str, marker: str) -> int:
@@ -72,47 +112,64 @@ class HermesParser(ToolParser):
     marker is held until the next piece tells."""
 
     def __init__(self) -> None:
-        self.pending = ""  # outside a block: text not shown yet; inside: the block's body
+        self.parts: list[str] = []  # outside a block: blank text not shown; inside: the body
+        self.tail = ""  # the end of the text so far that may begin the marker sought
         self.inside = False
         self.held = ""  # inside a block: the blank text before it, shown if it is no call
         self.shown = False  # text of the current run (since the last call) has been shown
         self.after_call = False  # the last block was a call
+        self.scanned = 0  # characters searched for markers, over the parser's life
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
-        self.pending += text
+        buf, pos = self.tail + text, 0
+        self.tail = ""
         while True:
+            marker = CALL_END if self.inside else CALL_START
+            self.scanned += len(buf) - pos
+            i = buf.find(marker, pos)
+            if i < 0:
+                keep = _marker_prefix(buf[max(pos, len(buf) - len(marker)) :], marker)
+                self._take(buf[pos : len(buf) - keep], out)
+                self.tail = buf[len(buf) - keep :]
+                return out
+            before, pos = buf[pos:i], i + len(marker)
             if self.inside:
-                end = self.pending.find(CALL_END)
-                if end < 0:
-                    return out
-                body, self.pending = self.pending[:end], self.pending[end + len(CALL_END) :]
+                body = "".join(self.parts) + before
+                self.parts = []
                 self._close(body, CALL_END, out)
-                continue
-            start = self.pending.find(CALL_START)
-            if start >= 0:
-                before, self.pending = self.pending[:start], self.pending[start + len(CALL_START) :]
-                if self.shown or before.strip():
-                    self._show(before, out)
-                    self.held = ""
-                else:
-                    self.held = before
-                self.inside = True
-                continue
-            keep = _marker_prefix(self.pending, CALL_START)
-            ready = self.pending[: len(self.pending) - keep]
-            if self.shown or ready.strip():
-                self._show(ready, out)
-                self.pending = self.pending[len(ready) :]
-            return out
+            else:
+                self._open(before, out)
+
+    def _take(self, text: str, out: list[Piece]) -> None:
+        """Text in which no marker starts: part of the body, shown, or held if blank."""
+        if not text:
+            return
+        if self.inside or not (self.shown or text.strip()):
+            self.parts.append(text)
+            return
+        self._show("".join(self.parts) + text, out)
+        self.parts = []
+
+    def _open(self, before: str, out: list[Piece]) -> None:
+        """A block starts after `before` (and the blank text held before it)."""
+        blank = "".join(self.parts)
+        self.parts = []
+        if self.shown or before.strip():
+            self._show(blank + before, out)
+            self.held = ""
+        else:
+            self.held = blank + before
+        self.inside = True
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
+        pending = "".join(self.parts) + self.tail
+        self.parts, self.tail = [], ""
         if self.inside:
-            self._close(self.pending, "", out)
-        elif self.shown or self.pending.strip() or not self.after_call:
-            self._show(self.pending, out)
-        self.pending = ""
+            self._close(pending, "", out)
+        elif self.shown or pending.strip() or not self.after_call:
+            self._show(pending, out)
         return out
 
     def _close(self, body: str, end: str, out: list[Piece]) -> None:
@@ -144,12 +201,13 @@ class ArrayParser(ToolParser):
         self.in_string = False
         self.escaped = False
         self.item: list[str] = []  # the call being read
+        self.too_deep = False  # the call being read nests deeper than MAX_JSON_DEPTH
 
     def feed(self, text: str) -> list[Piece]:
         self.raw.append(text)
         out: list[Piece] = []
         for ch in text:
-            if self.depth >= 2:
+            if self.depth >= 2 and not self.too_deep:
                 self.item.append(ch)
             if self.in_string:
                 if self.escaped:
@@ -163,7 +221,9 @@ class ArrayParser(ToolParser):
             elif ch in "[{":
                 self.depth += 1
                 if self.depth == 2:
-                    self.item = [ch]
+                    self.item, self.too_deep = [ch], False
+                elif self.depth > MAX_JSON_DEPTH:
+                    self.too_deep, self.item = True, []
             elif ch in "]}" and self.depth > 0:
                 self.depth -= 1
                 if self.depth == 1:
@@ -171,8 +231,8 @@ class ArrayParser(ToolParser):
         return out
 
     def _item(self, out: list[Piece]) -> None:
-        call = _call("".join(self.item), "parameters")
-        self.item = []
+        call = None if self.too_deep else _call("".join(self.item), "parameters")
+        self.item, self.too_deep = [], False
         if call is not None:
             out.append(CallPiece(self.calls, call[1], call[0]))
             self.calls += 1

@@ -232,7 +232,7 @@ def _arguments(text: str):
     """A call's arguments as templates take them: the parsed object (its text if not JSON)."""
     try:
         return json.loads(text) if text.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return text
 
 

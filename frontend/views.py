@@ -7,17 +7,32 @@ the rest of what is chat's own.
 A completion's `best_of` runs more sequences per prompt than it returns: the
 whole answer keeps, per prompt, the `n` runs of the highest cumulative logprob,
 best first (vLLM's best_of; never streamed).
+
+A whole answer is bounded: its text and logprobs are counted as they arrive
+(`AnswerSize`), and one that would pass `--max-response-bytes` is a 400 at
+once, its choices aborted (without a group the answer is the prompts' echoes,
+bounded by the context). Logprobs of many tokens (a prompt's) are rendered on
+a thread (`logprobs.render`); `render_json` renders a whole body choice by
+choice, so that a thread rendering it lets the event loop run between choices.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
 from subway.frontend.choices import ChoiceEvent, ChoiceGroup
+from subway.frontend.errors import APIError
 from subway.frontend.inputs import Job, runs_per_prompt
-from subway.frontend.logprobs import completion_logprobs, extend
+from subway.frontend.logprobs import (
+    completion_logprobs,
+    entries,
+    extend,
+    render,
+    rendered_size,
+)
 from subway.frontend.protocol import CompletionRequest, SamplingRequest
 from subway.frontend.responses import (
     CompletionChoice,
@@ -26,6 +41,44 @@ from subway.frontend.responses import (
     CompletionResponse,
     Usage,
 )
+
+OFFLOAD_BYTES = 64 << 10  # whole answers larger than this are assembled on a thread
+
+
+class AnswerSize:
+    """A whole answer's bytes so far, against `limit` (0: none): text as UTF-8, logprobs
+    as `rendered_size` estimates them, and a fixed share for each choice's fields."""
+
+    CHOICE = 256  # a choice's index, finish_reason, keys and punctuation
+
+    def __init__(self, limit: int, choices: int) -> None:
+        self.limit = limit
+        self.size = 512 + self.CHOICE * choices  # id, model, usage, ...
+
+    def add(self, text: str = "", logprobs=None) -> None:
+        self.size += len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+        if logprobs is not None:
+            self.size += rendered_size(logprobs)
+        if self.limit and self.size > self.limit:
+            raise APIError(
+                400,
+                f"the response would be larger than this server's limit of {self.limit} "
+                "bytes (--max-response-bytes): stream it, or ask for fewer tokens, choices "
+                "or logprobs",
+            )
+
+
+def render_json(body: BaseModel) -> bytes:
+    """`body` as JSON (as `model_dump_json`), its choices rendered one at a time: each call
+    into pydantic's serializer holds the GIL for one choice, not for the whole answer."""
+    choices = getattr(body, "choices", None)
+    if not isinstance(choices, list) or len(choices) < 2:
+        return body.model_dump_json().encode()
+    rendered = [c.model_dump_json().encode() for c in choices]
+    shell = body.model_copy(update={"choices": []}).model_dump_json().encode()
+    marker = b'"choices":[]'
+    at = shell.index(marker) + len(marker) - 1
+    return b"".join([shell[:at], b",".join(rendered), shell[at:]])
 
 
 class View:
@@ -50,29 +103,44 @@ class View:
         )
 
     async def whole(self, group: ChoiceGroup | None) -> BaseModel:
-        """The answer in one body, once every choice has ended (no group: nothing to run)."""
-        texts = self.openings()
+        """The answer in one body, once every choice has ended (no group: nothing to run).
+        APIError 400 (the choices aborted) as soon as it would pass the group's `max_bytes`
+        (`--max-response-bytes`)."""
+        size = AnswerSize(group.max_bytes if group is not None else 0, self.runs)
+        openings = self.openings()
+        for text in openings:
+            size.add(text)
+        texts = [[t] for t in openings]  # each run's pieces (joined once, at the end)
+        lengths = [len(t) for t in openings]
         counts = [0] * self.runs
         finish: list[str | None] = ["length" if group is None else None] * self.runs
         lps = [self.new_logprobs() for _ in range(self.runs)]
         cumulative = [0.0] * self.runs  # each run's summed logprob (best_of ranks by it)
         if group is not None:
-            async for raw in group.events():
-                ev = self.shown(raw)
-                i = ev.index
-                if lps[i] is not None:
-                    self.add_logprobs(lps[i], ev, len(texts[i]))
-                texts[i] += ev.text
-                counts[i] += len(ev.token_ids)
-                finish[i] = ev.finish_reason or finish[i]
-                cumulative[i] += sum(lp.logprob or 0.0 for lp in raw.logprobs or ())
+            try:
+                async for raw in group.events():
+                    ev = self.shown(raw)
+                    i = ev.index
+                    if lps[i] is not None:
+                        size.add(logprobs=await self.logprobs_of(ev, lengths[i], lps[i]))
+                    size.add(ev.text)
+                    texts[i].append(ev.text)
+                    lengths[i] += len(ev.text)
+                    counts[i] += len(ev.token_ids)
+                    finish[i] = ev.finish_reason or finish[i]
+                    cumulative[i] += sum(lp.logprob or 0.0 for lp in raw.logprobs or ())
+            finally:
+                group.close()  # a no-op once every choice ended; else (too large) aborts
         keep = self.best(cumulative)
-        return self.response(
-            [texts[k] for k in keep],
+        args = (
+            ["".join(texts[k]) for k in keep],
             [lps[k] for k in keep],
             [finish[k] for k in keep],
             self.usage(sum(counts[k] for k in keep)),
         )
+        if size.size > OFFLOAD_BYTES:  # the answer's models (and chat's parsing of calls)
+            return await asyncio.to_thread(self.response, *args)
+        return self.response(*args)
 
     def best(self, cumulative: list[float]) -> list[int]:
         """The runs returned, in the order of the answer's choices: all of them, or with
@@ -99,6 +167,17 @@ class View:
         raise NotImplementedError
 
     def add_logprobs(self, into, ev: ChoiceEvent, offset: int) -> None:
+        raise NotImplementedError
+
+    async def logprobs_of(self, ev: ChoiceEvent, offset: int, into):
+        """`ev`'s logprobs rendered (on a thread when they are many) and added to `into`;
+        returns what was added, for the answer's size."""
+        added = self.new_logprobs()
+        await render(self.add_logprobs, _entries(ev), added, ev, offset)
+        self.merge_logprobs(into, added)
+        return added
+
+    def merge_logprobs(self, into, more) -> None:
         raise NotImplementedError
 
     def response(self, texts, lps, finish, usage: Usage) -> BaseModel:
@@ -154,12 +233,9 @@ class CompletionView(View):
                 i = ev.index
                 lp = None
                 if req.logprobs is not None:
-                    lp = CompletionLogprobs()
-                    if ev.prompt_logprobs is not None and want_prompt_lps:
-                        extend(lp, completion_logprobs(self.tokenizer, ev.prompt_logprobs, 0))
-                    if ev.logprobs is not None:
-                        start = offsets[i] + len(echoes[i] if pending_echo[i] else "")
-                        extend(lp, completion_logprobs(self.tokenizer, ev.logprobs, start))
+                    start = offsets[i] + len(echoes[i] if pending_echo[i] else "")
+                    prompt = want_prompt_lps and ev.prompt_logprobs is not None
+                    lp = await render(self._chunk_logprobs, _entries(ev), ev, prompt, start)
                 text = ev.text
                 if pending_echo[i]:
                     text = echoes[i] + text
@@ -177,11 +253,23 @@ class CompletionView(View):
     def new_logprobs(self) -> CompletionLogprobs | None:
         return CompletionLogprobs() if self.req.logprobs is not None else None
 
+    def merge_logprobs(self, into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+        extend(into, more)
+
     def add_logprobs(self, into: CompletionLogprobs, ev: ChoiceEvent, offset: int) -> None:
         if ev.prompt_logprobs is not None:
             extend(into, completion_logprobs(self.tokenizer, ev.prompt_logprobs, 0))
         if ev.logprobs is not None:
             extend(into, completion_logprobs(self.tokenizer, ev.logprobs, offset))
+
+    def _chunk_logprobs(self, ev: ChoiceEvent, prompt: bool, start: int) -> CompletionLogprobs:
+        """A streamed event's logprobs: the prompt's (with `prompt`), then its tokens'."""
+        lp = CompletionLogprobs()
+        if prompt:
+            extend(lp, completion_logprobs(self.tokenizer, ev.prompt_logprobs or [], 0))
+        if ev.logprobs is not None:
+            extend(lp, completion_logprobs(self.tokenizer, ev.logprobs, start))
+        return lp
 
     def response(self, texts, lps, finish, usage: Usage) -> CompletionResponse:
         choices = [
@@ -191,3 +279,8 @@ class CompletionView(View):
         return CompletionResponse(
             id=self.request_id, model=self.model, choices=choices, usage=usage
         )
+
+
+def _entries(ev: ChoiceEvent) -> int:
+    """How many token texts rendering the event's logprobs takes, the prompt's included."""
+    return entries(ev.prompt_logprobs) + entries(ev.logprobs)

@@ -111,7 +111,8 @@ class SchedulerConfig:
     step_timeout: float = opt(
         0.0, "seconds one step may take before the workers count as hung and the engine "
         "stops; 0: adaptive, max(10, 20 x the step cost model's prediction for the step), "
-        "20 s + 20 x its prior's before it has seen 4 steps (scheduler/worker_link.py)"
+        "about 20 s for the first steps (300 while the workers visibly compute), 10 s for "
+        "CPU workers on this host that use no CPU time (scheduler/worker_link.py)"
     )  # fmt: skip
 
 
@@ -161,6 +162,11 @@ class ServerConfig:
         1 << 21, "prompt tokens waiting at most; more get 429 with Retry-After"
     )
     max_seqs_per_request: int = opt(64, "prompts x n of one request at most")
+    max_unread_tokens: int = opt(
+        1 << 22,
+        "generated tokens the frontend holds for streams' readers at most (a token "
+        "with k top logprobs counts 1 + k); past it the stream furthest behind is aborted",
+    )
     default_max_tokens: int = opt(
         2048, "max_tokens of a chat request that names none (capped by the context)"
     )
@@ -183,10 +189,11 @@ class ServerConfig:
         False, "accept a chat template from a request (it is code the server runs)"
     )
     max_logprobs: int = opt(
-        20, "top logprobs a request may ask per token (vLLM's --max-logprobs); more get 400"
-    )
+        20, "top logprobs a request may ask per token (vLLM's --max-logprobs; 20, OpenAI's "
+        "bound, at most); more get 400"
+    )  # fmt: skip
     max_prompt_logprobs_tokens: int = opt(
-        4096, "prompt tokens a request may ask logprobs of (echo with logprobs); longer "
+        8192, "prompt tokens a request may ask logprobs of (echo with logprobs); longer "
         "prompts get 400; 0: no limit"
     )  # fmt: skip
     max_response_bytes: int = opt(
