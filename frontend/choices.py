@@ -200,6 +200,8 @@ async def run_choice(
                     f"request {spec.request_id} ended without a finish reason"
                 ) from None
             if delta.finish_reason == "error":
+                if delta.error:  # the request's own doing (its grammar): a client error
+                    raise APIError(400, f"the output constraint cannot be used: {delta.error}")
                 raise GenerationError(f"the engine failed request {spec.request_id}")
             ids = delta.token_ids
             # A token-id stop (EOS, stop_token_ids) counts as output but shows no text,

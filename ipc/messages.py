@@ -327,6 +327,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # A prefill engine's last delta of a `handoff` request: the blocks it holds for a decode
     # engine to copy.
     kv_lease: KvLease | None = None
+    # With finish_reason "error", when the request itself is the cause (its grammar did not
+    # compile on the worker, or not in time): why, for the client (a 400, not a 500).
+    error: str = ""
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True):

@@ -257,7 +257,9 @@ class Scheduler:
         for req in failed:
             if req.status is _COMPILING:
                 self.pending.append(
-                    RequestDelta(req.request_id, [], "error", num_prompt_tokens=req.prompt_len)
+                    RequestDelta(
+                        req.request_id, [], "error", num_prompt_tokens=req.prompt_len, error=why
+                    )
                 )
                 self.finish(req)
         if failed:

@@ -78,7 +78,7 @@ def test_a_failed_or_overdue_compile_ends_only_its_requests():
 
     sched.on_grammar(GrammarReady(grammar_key(bad), False, "does not compile"))
     deltas = {d.request_id: d for d in sched.pop_pending_deltas()}
-    assert deltas["bad"].finish_reason == "error"
+    assert deltas["bad"].finish_reason == "error" and deltas["bad"].error == "does not compile"
     assert sched.get("slow").status is RequestStatus.COMPILING
     assert sched.grammars.take_outbox() == [GrammarRelease([grammar_key(bad)])]
 
