@@ -16,11 +16,34 @@ A prefill engine that fails before the first token leaves the request to a decod
 engine whole: the service degrades, it does not stop. Under greedy decoding the
 output is the same token for token; a sampled request's second part is seeded and
 penalised as a new request whose prompt ends with the first token.
+
+A prefill engine that hangs counts as failed, for the requests waiting on its first
+token, as soon as either of its two watches says so:
+
+- its scheduler is silent (stopped, or its loop stuck): every `HANDOFF_CHECK_S` a
+  waiting request looks at the engine's link, and once it has not been `healthy`
+  (no message for the link's `heartbeat_timeout`, 3 s, where the scheduler sends one
+  every 0.5 s at least) for `HANDOFF_SILENT_S` more, the request goes to a decode
+  engine whole: after 7-8 s of silence, not the link's `fail_after` (30 s), which
+  fails the engine's requests outright. (The margin over the 3 s is for a scheduler
+  that is only slow to beat, on a loaded machine: taking a request back costs its
+  copy of the prompt's KV);
+- its workers are hung (the scheduler alive): the scheduler's bound on a step's
+  progress (`scheduler/worker_link.py`: max(10 s, 20 x the step's predicted time);
+  10-11 s for CPU workers of its host that use no CPU time; about 20 s in the first
+  steps of a run) ends in an EngineError, which fails the engine's requests here,
+  and each is taken back the same way.
+
+Neither is a time limit on the request: a long queue or a long prompt on a prefill
+engine that is making progress is never taken back. A request taken back from an
+engine that was only slow is served whole by a decode engine, with the same tokens.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -28,6 +51,9 @@ import msgspec
 from subway.frontend.engine_client import EngineClient, RequestStream
 from subway.frontend.scheduler_link import EngineDeadError
 from subway.ipc.messages import KvLease, ReleaseKv, RequestDelta, SamplingParams
+
+HANDOFF_CHECK_S = 0.5  # how often a request waiting on a prefill engine checks that it lives
+HANDOFF_SILENT_S = 4.0  # how long that engine may be unhealthy before the request goes back
 
 
 def can_hand_off(sampling: SamplingParams) -> bool:
@@ -75,7 +101,7 @@ class HandoffStream:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
-            delta = await anext(self.inner)
+            delta = await (anext(self.inner) if self._decoding else self._from_prefill())
         except EngineDeadError:
             if self._decoding:
                 raise
@@ -117,6 +143,24 @@ class HandoffStream:
         self._decoding = self.handed_off = True
         delta.finish_reason = None
         return delta
+
+    async def _from_prefill(self) -> RequestDelta:
+        """The prefill engine's next delta; EngineDeadError once that engine's link has not
+        been healthy (its scheduler silent, or failed) for `HANDOFF_SILENT_S`."""
+        link = self.prefill.link
+        unhealthy_since: float | None = None
+        while True:
+            try:
+                async with asyncio.timeout(HANDOFF_CHECK_S):
+                    return await anext(self.inner)
+            except TimeoutError:
+                now = time.monotonic()
+                if link.healthy:
+                    unhealthy_since = None
+                elif unhealthy_since is None:
+                    unhealthy_since = now
+                elif now - unhealthy_since >= HANDOFF_SILENT_S:
+                    raise EngineDeadError("the prefill engine stopped answering") from None
 
     def _whole_to_decode(self) -> None:
         self.inner.close()

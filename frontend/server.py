@@ -40,6 +40,7 @@ from subway.frontend.engine_group import EngineGroup
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
 from subway.frontend.inputs import Limits, check_model, check_token_ids, encode, parse
+from subway.frontend.liveness import serve_liveness
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,
@@ -275,6 +276,7 @@ def run_frontend(config: EngineConfig) -> int:
     tokenizer = load_tokenizer(config)
     engine = EngineGroup(config)
     app = build_app(config, engine, tokenizer)
+    serve_liveness(app, config, engine)  # the launcher's watch, off the HTTP slots
     server = DrainingServer(
         engine,
         config.server.shutdown_timeout,

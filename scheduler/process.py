@@ -373,6 +373,7 @@ class SchedulerLoop:
         sched = self.sched = Scheduler(
             config, num_blocks, max_len, rank0.eos_token_ids, grammars_by_key=True
         )
+        self.workers.step_cost = sched.step_cost  # the hung-step bound follows the cost model
         role = config.parallel.role
         if role == "prefill":
             sched.leases = Leases(sched, config.kv_source)

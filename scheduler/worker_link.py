@@ -28,13 +28,27 @@ result (10 s for any plan the model predicts under half a second), and a step
 the model expects to be slow (a long prefill chunk on a loaded CPU) gets twenty
 times what it should take. Nothing is computed for it while the oldest plan is
 younger than the floor: the check costs a subtraction a turn.
+
+Where every worker runs on this host's CPU, the scheduler can also see whether they
+work (`WorkWatch`: each worker's CPU time and state, read from /proc once a
+`PEER_CHECK_S` while a plan is in flight). A CPU step, however slow on a loaded
+machine, burns CPU time all along; a stopped worker, or ranks blocked in a
+deadlocked collective, burn none. So with the adaptive bound, a plan that has made
+no progress for `HUNG_MIN_S` while no worker has shown a sign of work (CPU time, a
+running or disk-waiting state) for as long is hung too, whatever its prediction:
+on the machine where steps are slowest, a stopped worker is still declared in
+10-11 s, and a slow step is still given its twenty predictions. The same signs, for
+workers of any device on this host, stretch the bound of the first steps (see
+`hung_bound`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -55,7 +69,7 @@ from subway.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
-from subway.ipc.peers import Refusals, process_alive
+from subway.ipc.peers import Refusals, process_alive, this_host
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
 from subway.scheduler.slo import StepCost
@@ -67,12 +81,15 @@ PEER_CHECK_S = 1.0  # how often the workers' pids are checked
 HUNG_MIN_S = 10.0  # the adaptive bound on a step's progress: at least this,
 HUNG_FACTOR = 20.0  # and at least this many times the step's predicted time
 COLD_S = 20.0  # before the cost model is ready: this, plus HUNG_FACTOR x its prior's figure
+COLD_BUSY_S = 300.0  # or this, while the workers show signs of work (`WorkWatch`)
 _PRIOR = StepCost()  # a model that has seen no step: its prior coefficients
+ACTIVE_CPU_S = 0.02  # CPU time a worker uses between two samples to count as working
 
 
-def hung_bound(plan: Plan, cost: StepCost | None) -> tuple[float, str]:
+def hung_bound(plan: Plan, cost: StepCost | None, working: bool = False) -> tuple[float, str]:
     """Seconds the workers may spend on `plan` (from the previous result, or from its
     submission into an empty pipeline) before they count as hung; and how that was found.
+    `working`: the workers show signs of work now (`WorkWatch`).
 
     With a cost model that has seen `StepCost.warmup` steps: max(`HUNG_MIN_S`,
     `HUNG_FACTOR` x its prediction for the plan). The plan's tokens are what it computes;
@@ -84,13 +101,16 @@ def hung_bound(plan: Plan, cost: StepCost | None) -> tuple[float, str]:
     shape builds its oneDNN primitives and, on CUDA, compiles the Triton kernels that the
     start-up's decode graphs did not (seconds each on a cold cache), allocators grow their
     pools, and weight pages not touched yet fault in. Those costs do not grow with the
-    plan, and a few seconds cover them on any machine this engine serves from, so the
-    bound is a floor of `COLD_S` for them, above the adaptive floor, plus the adaptive
-    rule applied to the prior (the coefficients a `StepCost` starts from, about 5,000
-    tokens a second), so that a large first plan gets more. A first plan within the
-    default token budget (512) is declared hung after 20-23 s: under the 30 s a client
-    may wait for a stopped worker to be noticed. A first plan of a large model on a slow
-    CPU that needs longer needs `--step-timeout`.
+    plan, and a few seconds cover them on a machine to itself, so the bound is a floor of
+    `COLD_S` for them, above the adaptive floor, plus the adaptive rule applied to the
+    prior (the coefficients a `StepCost` starts from, about 5,000 tokens a second), so
+    that a large first plan gets more: a first plan within the default token budget
+    (512) is declared hung after 20-23 s, under the 30 s a client may wait for a stopped
+    worker to be noticed. On a machine shared with other work those first steps can
+    take longer than that (on 2 cores with a load of 12, a 3-step start of the default
+    model took over 20 s): where the workers can be seen working (their CPU time grows:
+    compiling, faulting pages in, computing), the first steps are given `COLD_BUSY_S`
+    instead, since a stopped or deadlocked worker shows no such sign.
     """
     tokens = kv = 0
     for s in plan.seqs:
@@ -100,12 +120,65 @@ def hung_bound(plan: Plan, cost: StepCost | None) -> tuple[float, str]:
         predicted = cost.predict(tokens, kv)
         bound = max(HUNG_MIN_S, HUNG_FACTOR * predicted)
         return bound, f"max({HUNG_MIN_S:g} s, {HUNG_FACTOR:g} x its predicted {predicted:.3f} s)"
+    if working:
+        return COLD_BUSY_S, "a first step, its workers working"
     return cold_bound(tokens, kv), f"a first step: {COLD_S:g} s + {HUNG_FACTOR:g} x the prior"
 
 
 def cold_bound(tokens: int, decode_kv: int = 0) -> float:
     """The bound on a step of `tokens` tokens before the cost model is ready (`hung_bound`)."""
     return COLD_S + HUNG_FACTOR * _PRIOR.predict(tokens, decode_kv)
+
+
+def work_sign(pid: int) -> tuple[int, str] | None:
+    """(CPU clock ticks used, user and system, all threads; scheduling state) of process
+    `pid`, from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12]), fields[0].decode()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class WorkWatch:
+    """When the engine's workers last showed a sign of work (`active_at`): CPU time used
+    since the previous sample (at least `ACTIVE_CPU_S`), or a running ("R") or disk-wait
+    ("D") state. Watches only when every worker runs on this host (`watch`), and stops for
+    good if a worker's /proc cannot be read: `pids` empty means no evidence. `cpu`: every
+    worker runs its model on the CPU, so that no sign of work means no work (a CUDA
+    worker may wait for its GPU without using CPU time)."""
+
+    def __init__(self, read: Callable[[int], tuple[int, str] | None] = work_sign) -> None:
+        self.read = read
+        self.pids: list[int] = []
+        self.cpu = False
+        self.active_at = 0.0
+        self._ticks: dict[int, int] = {}
+        tick_s = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._active_ticks = max(1, round(ACTIVE_CPU_S / tick_s))
+
+    def watch(self, workers: list[WorkerReady]) -> None:
+        here = this_host()
+        local = bool(workers) and all(w.host in ("", here) for w in workers)
+        self.pids = [w.pid for w in workers] if local else []
+        self.cpu = local and all(w.device == "cpu" for w in workers)
+
+    def sample(self, now: float) -> None:
+        for pid in self.pids:
+            sign = self.read(pid)
+            if sign is None:
+                self.pids, self.cpu = [], False
+                return
+            ticks, state = sign
+            last = self._ticks.get(pid)
+            if state in ("R", "D") or last is None or ticks - last >= self._active_ticks:
+                self.active_at = now
+            self._ticks[pid] = ticks
+
+    def working(self, now: float) -> bool:
+        """A sign of work at one of the last two samples."""
+        return bool(self.pids) and now - self.active_at <= 2 * PEER_CHECK_S
 
 
 class WorkerLink:
@@ -134,6 +207,7 @@ class WorkerLink:
         # The scheduler's step cost model, once it has one (`SchedulerLoop._start`): what
         # the bound on a hung step follows (`hung_bound`). None: the cold bound applies.
         self.step_cost: StepCost | None = None
+        self.work = WorkWatch()  # signs of work of the workers, where this host can see them
         self.clock = time.monotonic  # what the bound is measured by (a test may move it)
         self._peers_checked_at = 0.0
         self._prompt_shm = ""  # to name in the next plan: the frontend's new prompt buffer
@@ -155,6 +229,7 @@ class WorkerLink:
             except (OSError, ValueError) as e:
                 log.error("cannot attach rank 0's sampled-token buffer: %s", e)
         self.vocab_size = rank0.vocab_size
+        self.work.watch(list(self.workers.values()))
         self.started = True
 
     def use_prompts(self, name: str) -> None:
@@ -203,27 +278,33 @@ class WorkerLink:
         now = self.clock()
         if self.failure is None and now - self._peers_checked_at >= PEER_CHECK_S:
             self._check_peers()
+            if self._inflight:
+                self.work.sample(now)
         if self.failure is None and self._inflight:
             self._check_progress(now)
 
     def _check_progress(self, now: float) -> None:
         """A failure if the oldest plan in flight has made no progress within its bound:
         `--step-timeout`, or, when that is 0, `hung_bound` (computed only once the plan
-        has outlived the smallest bound that could apply)."""
+        has outlived the smallest bound that could apply), or `HUNG_MIN_S` while the
+        workers show no sign of work (`WorkWatch`)."""
         stalled = now - self._progress_at
         fixed = self.config.scheduler.step_timeout
         if stalled <= (fixed if fixed > 0 else HUNG_MIN_S):
             return
         step, _, plan = self._inflight[0]
+        idle = now - max(self._progress_at, self.work.active_at)
         if fixed > 0:
             bound, how = fixed, f"--step-timeout {fixed:g}"
+        elif self.work.cpu and idle > HUNG_MIN_S:
+            bound = stalled  # no sign of work: stopped, or blocked in a deadlocked collective
+            how = f"no worker has used CPU time for {idle:.1f} s; --step-timeout sets a bound"
         else:
-            bound, how = hung_bound(plan, self.step_cost)
-            how += "; --step-timeout sets it"
-        if stalled > bound:
+            bound, why = hung_bound(plan, self.step_cost, self.work.working(now))
+            how = f"bound {bound:.1f} s: {why}; --step-timeout sets it"
+        if stalled >= bound:
             self.failure = (
-                f"step {step} made no progress for {stalled:.1f} s (bound {bound:.1f} s: "
-                f"{how}): a worker is hung"
+                f"step {step} made no progress for {stalled:.1f} s ({how}): a worker is hung"
             )
 
     def _check_peers(self) -> None:

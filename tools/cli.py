@@ -184,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         check_quantization(config)
     if args.command != "serve":
         from subway.tools.launch import die_with_parent
+        from subway.tools.limits import raise_fd_limit
 
         die_with_parent()
+        # Started by `serve`, a process has the raised limit already (and `serve` warned
+        # if it is short); started alone, it raises its own, and a frontend warns.
+        alone = "SUBWAY_PARENT_PID" not in os.environ
+        raise_fd_limit(config if args.command == "frontend" and alone else None)
         check_curve_keys(config)
 
     if args.command == "serve":

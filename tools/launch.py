@@ -6,6 +6,16 @@ so nothing is inherited by fork and nothing crosses a boundary as pickle. If any
 process dies, the others are stopped, shared memory is unlinked and `serve`
 exits non-zero. Ctrl-C or SIGTERM stops the frontend first (it drains), then the
 scheduler, which tells the workers to exit.
+
+Once the engine is ready, `serve` also watches its frontend (`HealthWatch`): an engine
+that cannot serve for `UNHEALTHY_EXIT_S` (an error, a silent scheduler, a hung
+frontend) stops everything. The watch asks over the frontend's private liveness
+socket (`frontend/liveness.py`), one connection held for the whole run, never over the
+public HTTP port: there, clients holding every connection the cap allows, or every
+file descriptor the frontend has, would make the probe fail and `serve` stop a healthy
+server. `/health` over HTTP is used only with a frontend that has no liveness socket.
+The file-descriptor limit is raised to its hard limit at start (`raise_fd_limit`), for
+the launcher and every process it starts.
 """
 
 from __future__ import annotations
@@ -21,9 +31,11 @@ import time
 import urllib.error
 import urllib.request
 
+from subway.frontend.liveness import liveness_path, parse_answer
 from subway.ipc import curve
 from subway.ipc.config import EngineConfig, ParallelConfig
 from subway.ipc.sockets import cleanup_ipc, secure_dir
+from subway.tools.limits import raise_fd_limit  # noqa: F401 - also the cli's
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -101,6 +113,8 @@ def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:
     cleanup_ipc(ipc.scheduler_addr, ipc.frontend_addr, ipc.plan_addr, ipc.result_addr)
     if config.client_address is not None:
         cleanup_ipc(config.client_address)
+    with contextlib.suppress(FileNotFoundError):  # a frontend that died leaves it
+        os.unlink(liveness_path(config))
     if made_run_dir:
         with contextlib.suppress(OSError):  # not empty: someone else's files stay
             os.rmdir(ipc.run_dir)
@@ -121,10 +135,6 @@ def remove_engine_leftovers(config: EngineConfig) -> list[str]:
     ipc = config.ipc
     cleanup_ipc(ipc.scheduler_addr, ipc.plan_addr, ipc.result_addr)
     return removed
-
-
-def _health(config: EngineConfig) -> bool:
-    return health_reason(config) is None
 
 
 def health_reason(config: EngineConfig, timeout: float = 2.0) -> str | None:
@@ -182,25 +192,92 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
         p.wait()
 
 
-UNHEALTHY_EXIT_S = 15.0  # a ready engine whose /health fails this long is stopped
+UNHEALTHY_EXIT_S = 15.0  # a ready engine whose health check fails this long is stopped
 HEALTH_PROBE_S = 1.0
+PROBE_TIMEOUT_S = 2.0  # an answer later than this is none
+
+
+class LivenessProbe:
+    """The launcher's question to its frontend, can the engine serve, over the frontend's
+    liveness socket (`frontend/liveness.py`): one connection, kept across probes, so that
+    no probe needs a descriptor or a connection slot of the frontend's. A probe that gets
+    no answer within `PROBE_TIMEOUT_S` drops the connection (a late answer must not be
+    read as the next one's) and the next probe connects again. Until that socket has
+    answered once, a frontend without one (it could not listen) is asked `/health`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.path = liveness_path(config)
+        self.sock: socket.socket | None = None
+        self.private = False  # the liveness socket has answered: no fallback any more
+
+    def reason(self) -> str | None:
+        """None when the engine can serve; else why not (the frontend's reason, or none)."""
+        if self.sock is None:
+            try:
+                self.sock = self._connect()
+            except OSError as e:
+                if self.private:
+                    return f"no answer on {self.path} ({e})"
+                return health_reason(self.config, PROBE_TIMEOUT_S)
+        try:
+            reason = parse_answer(self._ask(self.sock))
+        except (OSError, ValueError) as e:
+            self.close()
+            return f"no answer on {self.path} ({e or type(e).__name__})"
+        self.private = True
+        return reason
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(PROBE_TIMEOUT_S)
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    @staticmethod
+    def _ask(sock: socket.socket) -> bytes:
+        """One question, one line back within `PROBE_TIMEOUT_S` (TimeoutError if not)."""
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        sock.sendall(b"?\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or len(line) > 4096:
+                raise TimeoutError("no whole answer in time")
+            sock.settimeout(left)
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionResetError("the frontend closed the liveness socket")
+            line += chunk
+        return line
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class HealthWatch:
-    """The launcher's view of a ready engine: /health, probed every `HEALTH_PROBE_S`. One
-    that fails (503 with a reason, or no answer: a hung frontend or scheduler) for
-    `UNHEALTHY_EXIT_S` means the engine cannot serve; `serve` then stops everything."""
+    """The launcher's view of a ready engine, probed every `HEALTH_PROBE_S` through its
+    `LivenessProbe`. One that fails (unhealthy with a reason, or no answer: a hung
+    frontend or scheduler) for `UNHEALTHY_EXIT_S` means the engine cannot serve; `serve`
+    then stops everything."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: LivenessProbe) -> None:
+        self.probe = probe
         self.last_probe = 0.0
         self.failing_since: float | None = None
 
     def due(self) -> bool:
         return time.monotonic() - self.last_probe >= HEALTH_PROBE_S
 
-    def check(self, config: EngineConfig) -> str | None:
+    def check(self) -> str | None:
         self.last_probe = time.monotonic()
-        reason = health_reason(config)
+        reason = self.probe.reason()
         if reason is None:
             self.failing_since = None
             return None
@@ -254,6 +331,7 @@ def own_curve_keys(config: EngineConfig) -> tuple[EngineConfig, str | None]:
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
+    raise_fd_limit(config)
     try:
         made_run_dir = secure_dir(config.ipc.run_dir)
     except PermissionError as e:
@@ -280,6 +358,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    probe = LivenessProbe(config)
     try:
         procs.append(("frontend", _spawn("frontend", config)))
         for i, engine in enumerate(engines):
@@ -292,7 +371,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             engine_of.update(dict.fromkeys(names, i))
         print(f"subway: loading {config.model.path} ...", flush=True)
         ready = False
-        watch = HealthWatch()
+        watch = HealthWatch(probe)
         lost: set[int] = set()  # engines stopped after one of their processes died
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
@@ -318,12 +397,12 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
             if code:
                 break
             if ready and watch.due():
-                failure = watch.check(config)
+                failure = watch.check()
                 if failure is not None:
                     print(f"subway: {failure}; stopping", file=sys.stderr)
                     code = 1
                     break
-            if not ready and _health(config):
+            if not ready and probe.reason() is None:
                 ready = True
                 url = f"http://{config.server.host}:{config.server.port}"
                 print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
@@ -339,6 +418,7 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
                 print("subway: press Ctrl-C to stop", flush=True)
             time.sleep(0.2)
     finally:
+        probe.close()
         _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
         if made_key_file is not None:  # only the file this run made, before the folder goes
             with contextlib.suppress(FileNotFoundError):

@@ -20,9 +20,14 @@ says, for each case: the first sign of detection (seconds after the fault), serv
 the exit status is 1 if any case failed. In notes, a /health of -1 means no answer
 within 2 s, 0 a refused connection.
 
-    python -m subway.tools.bench.chaos                     # every case
+`--step-timeout` is passed to serve only when above 0; 0 (the default) leaves serve its
+own bound on a hung step (adaptive since issue 43: max(10 s, 20 x the step's predicted
+time)), under which a stopped worker (`stop-worker0`, `stop-worker1`) passes only if it
+was detected within `STOPPED_WORKER_S` (30 s).
+
+    python -m subway.tools.bench.chaos                     # every case, serve's defaults
     python -m subway.tools.bench.chaos --case kill-worker0 --case probe
-    python -m subway.tools.bench.chaos --step-timeout 0    # serve's own default
+    python -m subway.tools.bench.chaos --step-timeout 5    # a fixed bound instead
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ PROCS = {"frontend": "frontend", "scheduler": "scheduler", "worker0": "worker 0"
          "worker1": "worker 1"}  # fmt: skip
 CASES = [f"{f}-{p}" for f in ("kill", "stop") for p in PROCS] + ["probe", "probe-junk"]
 PROMPT = "Write a long story about a subway train that runs all night through the city."
+STOPPED_WORKER_S = 30.0  # under serve's default bound, a stopped worker is detected this soon
 
 
 @dataclasses.dataclass
@@ -225,7 +231,9 @@ def run_case(case: str, a: argparse.Namespace) -> Result:
             os.kill(target.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             load.finish(more=0)
         watch(server, load, t0, a.bound, health_log, res, fault)
-        judge(server, load, t0, pids, health_log, res, a.bound)
+        stopped_worker = fault == "stop" and proc.startswith("worker")
+        within = STOPPED_WORKER_S if stopped_worker and a.step_timeout <= 0 else None
+        judge(server, load, t0, pids, health_log, res, a.bound, detect_within=within)
         load.join(5)
         return res
     finally:
@@ -256,7 +264,11 @@ def watch(server, load, t0, bound, health_log, res: Result, fault: str) -> None:
         time.sleep(0.1)  # polling under a deadline
 
 
-def judge(server, load, t0, pids, health_log, res: Result, bound: float) -> None:
+def judge(
+    server, load, t0, pids, health_log, res: Result, bound: float,
+    detect_within: float | None = None,
+) -> None:  # fmt: skip
+    """`detect_within`: a fault case fails unless detected within this many seconds."""
     after = [s for streams in load.streams for s in streams if s.end == 0 or s.end >= t0]
     hung = [s for s in after if s.end == 0 or "hung" in s.error]
     errs = [s for s in after if not s.ok and s not in hung]  # an error, or finish "abort"
@@ -306,9 +318,15 @@ def judge(server, load, t0, pids, health_log, res: Result, bound: float) -> None
             wait_for(lambda: not alive(pids), 5)
             if alive(pids):
                 res.notes.append(f"processes left running: {alive(pids)}")
+        late = (
+            detect_within is not None and res.detect_s is not None
+            and res.detect_s > detect_within
+        )  # fmt: skip
+        if late:
+            res.notes.append(f"detected after {res.detect_s:.1f} s, over {detect_within:g} s")
         res.passed = (
             res.exit_s is not None and res.exit_code not in (0, None) and not hung
-            and res.detect_s is not None and not alive(pids)
+            and res.detect_s is not None and not alive(pids) and not late
         )  # fmt: skip
     forced = server.proc.poll() is None
     if forced:
@@ -353,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed request")
     p.add_argument("--bound", type=float, default=60.0, help="seconds for detection and exit")
     p.add_argument(
-        "--step-timeout", type=float, default=5.0, help="serve's --step-timeout (0: its default)"
-    )
+        "--step-timeout", type=float, default=0.0,
+        help="serve's --step-timeout; 0: serve's own default (a stopped worker must then be "
+        f"detected within {STOPPED_WORKER_S:g} s)",
+    )  # fmt: skip
     p.add_argument("--out", default="", help="write the results as JSON here")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
