@@ -76,13 +76,15 @@ def resolve_secrets(config: EngineConfig) -> EngineConfig:
 def keygen(path: str) -> int:
     """`subway keygen FILE`: one engine's key pair; copy it (mode 0600) to every host and
     start each process with --curve-key-file FILE."""
-    from subway.ipc.curve import write_key_file
+    from subway.ipc.curve import write_key_file, write_public_file
 
     try:
         keys = write_key_file(path)
+        write_public_file(path + ".pub", keys.public)  # for native ZMQ clients over tcp://
     except OSError as e:
         raise SystemExit(f"subway: cannot write {path}: {e}") from None
-    print(f"subway: wrote a CurveZMQ key pair to {path} (public key {keys.public.decode()})")
+    print(f"subway: wrote a CurveZMQ key pair to {path} (public key {keys.public.decode()}) "
+          f"and its public key alone to {path}.pub")  # fmt: skip
     return 0
 
 
