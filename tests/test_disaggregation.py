@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+import uuid
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from fake_worker import FakeWorker
 from test_scheduler import make_scheduler
 from transformers import AutoTokenizer
 
+from subway.ipc.kv_leases import LeaseTable, LeaseView
 from subway.ipc.messages import AddRequest, KvImport, KvImported, KvLease, SamplingParams, TokenRef
 from subway.scheduler import handoff
 from subway.scheduler.engine_core import EngineCore
@@ -37,6 +39,13 @@ def request(rid: str, prompt: list[int], max_tokens: int, **kw) -> AddRequest:
     return AddRequest(rid, TokenRef(ids=prompt), len(prompt), sp, time.time(), **kw)
 
 
+def leases(sched, source: str = "subway_x", **kw) -> Leases:
+    """A prefill scheduler's leases, over a lease table of a name no other test has."""
+    table = LeaseTable(f"subway_t{uuid.uuid4().hex[:12]}", sched.block_manager.num_blocks, [1])
+    sched.leases = Leases(sched, source, table=table, **kw)
+    return sched.leases
+
+
 def run(sched, worker, core=None) -> list:
     core = core or EngineCore(sched, worker, 1)
     deltas = []
@@ -52,7 +61,7 @@ def run(sched, worker, core=None) -> list:
 
 def test_a_handoff_request_leases_its_prompt_blocks_until_released():
     sched = make_scheduler(num_blocks=16, block_size=BS, enable_prefix_caching=True)
-    sched.leases = Leases(sched, "subway_x")
+    table = leases(sched).table
     worker = FakeWorker(16, BS, check_kv=False)
     prompt = list(range(1, 11))  # 2 full blocks and 2 tokens
     sched.add(request("a", prompt, 1, handoff=True), prompt)
@@ -60,6 +69,7 @@ def test_a_handoff_request_leases_its_prompt_blocks_until_released():
     lease = deltas[-1].kv_lease
     assert deltas[-1].finish_reason == "length" and len(deltas[-1].token_ids) == 1
     assert isinstance(lease, KvLease) and lease.source == "subway_x" and len(lease.blocks) == 2
+    assert lease.incarnation == table.incarnation and lease.generation > 0
     bm = sched.block_manager
     assert bm.num_used_blocks == 3  # the whole table, its partial block too, stays held
     # Other requests fill the pool: no leased block is handed out while the lease holds.
@@ -71,9 +81,13 @@ def test_a_handoff_request_leases_its_prompt_blocks_until_released():
     given = {b for plan in worker.plans[before:] for s in plan.seqs for b in s.new_blocks}
     assert len(given) == 13  # every other block was used
     assert not given & set(bm.block_table(lease.lease_id))
+    view = LeaseView(table.name)
+    assert view.check(lease.slot, lease.generation, lease.incarnation) == ""
     assert sched.leases.release(lease.lease_id)
     assert not sched.leases.release(lease.lease_id)  # twice: nothing held
     assert bm.num_used_blocks == 0
+    assert "no longer held" in view.check(lease.slot, lease.generation, lease.incarnation)
+    table.close()
     # The released prompt is cached: the same prompt is served from it.
     sched.add(request("c", prompt, 2), prompt)
     run(sched, worker)
@@ -82,19 +96,23 @@ def test_a_handoff_request_leases_its_prompt_blocks_until_released():
 
 def test_an_unreleased_lease_expires_and_a_stop_token_leases_nothing():
     sched = make_scheduler(num_blocks=16, block_size=BS, enable_prefix_caching=True)
-    sched.leases = Leases(sched, "subway_x", lease_s=5.0)
+    table = leases(sched, lease_s=5.0).table
     worker = FakeWorker(16, BS, check_kv=False)
     prompt = list(range(1, 10))
     sched.add(request("a", prompt, 1, handoff=True), prompt)
-    assert run(sched, worker)[-1].kv_lease is not None
+    lease = run(sched, worker)[-1].kv_lease
+    assert lease is not None
     assert sched.leases.expire(time.monotonic()) == 0
     assert sched.leases.expire(time.monotonic() + 6.0) == 1
     assert sched.block_manager.num_used_blocks == 0
     assert sched.stats.kv_leases_expired_total == 1
+    why = LeaseView(table.name).check(lease.slot, lease.generation, lease.incarnation)
+    assert "no longer held" in why  # cleared as it expired
     # A prompt shorter than a block: nothing to hand over.
     sched.add(request("s", [1, 2], 1, handoff=True), [1, 2])
     assert run(sched, worker)[-1].kv_lease is None
     assert sched.block_manager.num_used_blocks == 0
+    table.close()
 
 
 # ------------------------------------------------------------------ the decode side
@@ -173,6 +191,12 @@ def test_blocks_copy_bit_for_bit_from_a_shared_cache(dtype, kv_int8):
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}[elem]
     source = f"subway_t{os.getpid()}x{int(kv_int8)}"
     shared = SharedKvCache(segment_name(source, 0), KvLayout(2, 6, 4, 2, width, name))
+    table = LeaseTable(source, 8, [shared.incarnation])
+
+    def imp(import_id: int, src: list[int], dst: list[int], where: str = source) -> KvImport:
+        slot, gen = table.grant()
+        return KvImport(import_id, where, src, dst, slot, gen, table.incarnation)
+
     try:
         for k, v in shared.caches:
             k.copy_(
@@ -187,28 +211,30 @@ def test_blocks_copy_bit_for_bit_from_a_shared_cache(dtype, kv_int8):
             )
         dst = allocate_kv_cache(2, 10, 4, 2, 8, dtype, torch.device("cpu"), False, kv_int8=kv_int8)
         assert layout_of(dst).same_blocks(layout_of(shared.caches))
-        ok, _, why = Importer(0).run(dst, KvImport(1, source, [5, 0, 3], [9, 2, 4]))
+        ok, _, why = Importer(0).run(dst, imp(1, [5, 0, 3], [9, 2, 4]))
         assert ok, why
         for (dk, dv), (sk, sv) in zip(dst, shared.caches, strict=True):
             for s, d in ((5, 9), (0, 2), (3, 4)):
                 assert torch.equal(dk[d], sk[s]) and torch.equal(dv[d], sv[s])
             assert not dk[[0, 1, 3, 5, 6, 7, 8]].any()  # the other blocks untouched
         for bad, words in (
-            (KvImport(2, source, [6], [0]), "outside"),
-            (KvImport(3, source, [1, 2], [0, 0]), "twice"),
-            (KvImport(4, source, [1], [0, 1]), "destinations"),
-            (KvImport(5, "../etc/passwd", [1], [0]), "not a KV source"),
-            (KvImport(6, "subway_nobody", [1], [0]), "no KV source"),
+            (imp(2, [6], [0]), "outside"),
+            (imp(3, [1, 2], [0, 0]), "twice"),
+            (imp(4, [1], [0, 1]), "destinations"),
+            (imp(5, [1], [0], "../etc/passwd"), "not a KV source"),
+            (imp(6, [1], [0], "subway_nobody"), "no KV source"),
+            (KvImport(8, source, [1], [0]), "no lease named"),
         ):
             ok, _, why = Importer(0).run(dst, bad)
             assert not ok and words in why, why
         other = allocate_kv_cache(
             2, 10, 4, 1, 8, dtype, torch.device("cpu"), False, kv_int8=kv_int8
         )
-        ok, _, why = Importer(0).run(other, KvImport(7, source, [1], [0]))
+        ok, _, why = Importer(0).run(other, imp(7, [1], [0]))
         assert not ok and "another layout" in why
     finally:
         shared.close()
+        table.close()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(source)]
 
 

@@ -1,5 +1,6 @@
 """KV blocks between hosts: a prefill worker's `KvServer` and a decode worker's `Fetches`,
-on loopback tcp with CurveZMQ, as the two workers run them (worker/kv_remote.py)."""
+on loopback tcp with CurveZMQ, as the two workers run them (worker/kv_remote.py), with
+the prefill engine's lease table that the server checks (ipc/kv_leases.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zmq
 
 from subway.ipc import curve
 from subway.ipc.config import IpcConfig
+from subway.ipc.kv_leases import LeaseTable
 from subway.ipc.messages import KvBlocks, KvFetch, KvImport
 from subway.ipc.sockets import Sockets
 from subway.worker.kv_cache import allocate_kv_cache
@@ -31,12 +33,14 @@ def caches(blocks: int, heads: int = 2, dtype=torch.float32, kv_int8=False, fill
 
 
 class Plane:
-    """Both ends on loopback: a server over `src`, fetches into `dst`, one poller."""
+    """Both ends on loopback: a server over `src`, fetches into `dst`, one poller, and the
+    lease table of the server's engine (`lease` grants one)."""
 
     def __init__(self, tmp_path, src, max_message_bytes=64 << 20, timeout=8.0, world=1):
         key = str(tmp_path / "curve.key")
         curve.write_key_file(key)
         self.ipc = IpcConfig(curve_key_file=key, max_message_bytes=max_message_bytes)
+        self.table = LeaseTable(self.ipc.kv_source, 64, [1] * world)
         self.ctx = zmq.Context()
         self.socks = Sockets(self.ctx, self.ipc)
         self.addr = f"tcp://127.0.0.1:{free_port()}"
@@ -45,6 +49,11 @@ class Plane:
         if self.server is not None:
             self.poller.register(self.server.sock, zmq.POLLIN)
         self.fetches = Fetches(self.socks, self.poller, 0, world, timeout)
+
+    def imp(self, import_id: int, src: list[int], dst: list[int], source: str = "") -> KvImport:
+        """An import of `src` into `dst` under a new lease."""
+        slot, gen = self.table.grant()
+        return KvImport(import_id, source or self.addr, src, dst, slot, gen, self.table.incarnation)
 
     def run(self, dst, msg: KvImport, now: float = 0.0):
         """Start `msg` and turn the loop until its answer; (answer, turns)."""
@@ -67,6 +76,7 @@ class Plane:
             self.server.close()
         self.socks.close()
         self.ctx.term()
+        self.table.close()
 
 
 @pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False),
@@ -76,7 +86,7 @@ def test_blocks_cross_as_frames_bit_for_bit(tmp_path, dtype, kv_int8):
     before = [(k.clone(), v.clone()) for k, v in dst]
     plane = Plane(tmp_path, src)
     try:
-        answer, _ = plane.run(dst, KvImport(7, plane.addr, [5, 0, 3], [9, 2, 4]))
+        answer, _ = plane.run(dst, plane.imp(7, [5, 0, 3], [9, 2, 4]))
         assert answer.ok and answer.import_id == 7, answer.error
         for (dk, dv), (sk, sv), (bk, bv) in zip(dst, src, before, strict=True):
             for s, d in ((5, 9), (0, 2), (3, 4)):
@@ -94,7 +104,7 @@ def test_a_fetch_larger_than_a_message_goes_in_several_asks(tmp_path):
     plane = Plane(tmp_path, src, max_message_bytes=3 * one + FRAME_SLACK)  # 3 blocks a frame
     try:
         ids = [11, 3, 7, 0, 5, 9, 1]
-        answer, turns = plane.run(dst, KvImport(1, plane.addr, ids, list(range(7))))
+        answer, turns = plane.run(dst, plane.imp(1, ids, list(range(7))))
         assert answer.ok, answer.error
         assert plane.server.served == 3 and turns >= 3  # 3 + 3 + 1 blocks
         for (dk, dv), (sk, sv) in zip(dst, src, strict=True):
@@ -109,19 +119,20 @@ def test_refusals_write_nothing(tmp_path):
     plane = Plane(tmp_path, src)
     try:
         for msg, words in (
-            (KvImport(1, plane.addr, [6], [0]), "outside [0, 6)"),  # the server's check
-            (KvImport(2, plane.addr, [1], [10]), "outside [0, 10)"),  # ours, before asking
-            (KvImport(3, plane.addr, [1, 2], [0, 0]), "destinations"),
-            (KvImport(4, "tcp://evil host:1", [1], [0]), "not a KV source"),
-            (KvImport(5, f"{plane.addr},{plane.addr}", [1], [0]), "2 ranks for 1"),
+            (plane.imp(1, [6], [0]), "outside [0, 6)"),  # the server's check
+            (plane.imp(2, [1], [10]), "outside [0, 10)"),  # ours, before asking
+            (plane.imp(3, [1, 2], [0, 0]), "destinations"),
+            (plane.imp(4, [1], [0], "tcp://evil host:1"), "not a KV source"),
+            (plane.imp(5, [1], [0], f"{plane.addr},{plane.addr}"), "2 ranks for 1"),
+            (KvImport(8, plane.addr, [1], [0]), "no lease named"),  # ours, before asking
         ):
             answer, _ = plane.run(dst, msg)
             assert not answer.ok and words in answer.error, answer.error
         keyless = Fetches(Sockets(plane.ctx, IpcConfig()), zmq.Poller(), 0, 1)
-        answer = keyless.start(dst, KvImport(7, plane.addr, [1], [0]), 0.0)
+        answer = keyless.start(dst, plane.imp(7, [1], [0]), 0.0)
         assert not answer.ok and "--curve-key-file" in answer.error  # refused, not raised
         other = caches(10, heads=1)  # another layout: refused when the header comes
-        answer, _ = plane.run(other, KvImport(6, plane.addr, [1], [0]))
+        answer, _ = plane.run(other, plane.imp(6, [1], [0]))
         assert not answer.ok and "another layout" in answer.error
         for (dk, dv), (bk, bv) in zip(dst, before, strict=True):
             assert torch.equal(dk, bk) and torch.equal(dv, bv)
@@ -137,7 +148,7 @@ def test_a_silent_source_times_out_and_its_late_answer_is_dropped(tmp_path):
     plane = Plane(tmp_path, None, timeout=8.0)
     fake = plane.socks.bind(zmq.ROUTER, plane.addr)
     try:
-        assert plane.fetches.start(dst, KvImport(1, plane.addr, [0], [1]), now=0.0) is None
+        assert plane.fetches.start(dst, plane.imp(1, [0], [1]), now=0.0) is None
         ident, raw = fake.recv_multipart()  # the ask arrived; no answer yet
         ask = msgspec.msgpack.decode(raw, type=KvFetch)
         assert ask.blocks == [0]
@@ -163,7 +174,7 @@ def test_malformed_answers_and_asks_are_counted_not_fatal(tmp_path):
     plane = Plane(tmp_path, None)
     fake = plane.socks.bind(zmq.ROUTER, plane.addr)
     try:
-        assert plane.fetches.start(dst, KvImport(1, plane.addr, [0, 1], [2, 3]), now=0.0) is None
+        assert plane.fetches.start(dst, plane.imp(1, [0, 1], [2, 3]), now=0.0) is None
         ident, raw = fake.recv_multipart()
         ask = msgspec.msgpack.decode(raw, type=KvFetch)
         sock = plane.fetches.sockets[0]
@@ -189,8 +200,10 @@ def test_malformed_answers_and_asks_are_counted_not_fatal(tmp_path):
     try:
         client.send(b"garbage")
         client.send_multipart([b"two", b"frames"])
-        client.send(msgspec.msgpack.encode(KvFetch(3, [])))
-        client.send(msgspec.msgpack.encode(KvFetch(4, [1])))
+        slot, gen = plane.table.grant()
+        inc = plane.table.incarnation
+        client.send(msgspec.msgpack.encode(KvFetch(3, [], slot, gen, inc)))
+        client.send(msgspec.msgpack.encode(KvFetch(4, [1], slot, gen, inc)))
         got = []
         while len(got) < 2:
             assert plane.server.sock.poll(5000)

@@ -9,6 +9,14 @@ prefill worker of its own rank for the blocks (`KvFetch`) and gets a `KvBlocks` 
 and then one raw frame per layer and cache, keys then values, each holding the blocks in
 the order asked (`Fetches`). On a GPU the frames are staged through host memory.
 
+Each ask names its lease (`KvFetch`: slot, generation, incarnation), and the server
+answers only while the lease holds, checked in its engine's lease table
+(`ipc/kv_leases.py`, on the server's host) before it reads the blocks and again after:
+blocks given back and rewritten are never sent as the lease's. The table is looked up
+again at each ask, so a server of a restarted engine refuses the old engine's leases.
+Having answered a lease's last ask, the server acknowledges the lease for the asker's
+rank in that table: its blocks are read, and the engine may free them.
+
 Both ends run in their worker's poll loop, between steps, on one thread: the server
 answers when its step is done; the client sends its asks without waiting and copies
 each answer into its blocks when it comes, which no plan touches until the scheduler
@@ -18,6 +26,11 @@ the import, and the decode engine computes the prompt itself. A fetch unanswered
 `FETCH_TIMEOUT_S` fails, and whatever comes for it afterwards is dropped: nothing is
 written after its `KvImported` went out. Fetches larger than one message may be
 (`ipc.max_message_bytes`) go in several asks, one after the other.
+
+A peer that does not read (down, stopped, unreachable) costs only its imports: at most
+`MAX_FETCHES_PER_PEER` fetches are in flight to one address (past it an import fails
+at once), its socket queues no more asks than that (SNDHWM), and a send that would
+block (`zmq.Again`) fails the import it was for. Each failed import recomputes.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import torch
 import zmq
 
 from subway.ipc.config import KV_ADDR_RE
+from subway.ipc.kv_leases import KvShareError, LeaseView, LeaseViews
 from subway.ipc.messages import KvBlocks, KvFetch, KvImport, KvImported, KvLayout
 from subway.ipc.sockets import Sockets, has_message
 from subway.worker.kv_share import KV_DTYPES, layout_of
@@ -40,6 +54,7 @@ from subway.worker.model import KVCache
 # go of the destination blocks.
 FETCH_TIMEOUT_S = 8.0
 MAX_SOURCE_RANKS = 64
+MAX_FETCHES_PER_PEER = 32  # in flight to one prefill worker; past it an import fails at once
 FRAME_SLACK = 4096  # room in a message for CurveZMQ's framing (ZMQ_MAXMSGSIZE counts it)
 
 
@@ -67,6 +82,9 @@ class KvServer:
         self.max_blocks = blocks_per_ask(socks.ipc.max_message_bytes, self.layout)
         self.served = 0
         self.refused = 0  # malformed asks, counted and answered (when they name an id)
+        self.prefix = socks.ipc.kv_source  # this engine's shm prefix: its lease table's name
+        self._tables = LeaseViews()
+        self._table: LeaseView | None = None  # the one the last ask was checked in
         self._decode = msgspec.msgpack.Decoder(KvFetch)
         self._encode = msgspec.msgpack.Encoder()
 
@@ -83,23 +101,32 @@ class KvServer:
             except msgspec.DecodeError:
                 self.refused += 1
                 continue
-            error = self._check(ask)
+            error = self._check(ask) or self._lease(ask)
+            if not error:
+                idx = torch.tensor(ask.blocks, dtype=torch.long, device=self.caches[0][0].device)
+                frames = [_raw(c.index_select(0, idx)) for kv in self.caches for c in kv]
+                error = self._lease(ask)  # again, after the read: see the module docstring
             if error:
                 self.refused += 1
                 self.sock.send_multipart(
                     [ident, self._encode.encode(KvBlocks(ask.fetch_id, error=error))]
                 )
                 continue
-            idx = torch.tensor(ask.blocks, dtype=torch.long, device=self.caches[0][0].device)
-            out: list[bytes | memoryview] = [
-                ident,
-                self._encode.encode(KvBlocks(ask.fetch_id, self.layout)),
-            ]
-            for k, v in self.caches:
-                for cache in (k, v):
-                    out.append(_raw(cache.index_select(0, idx)))
-            self.sock.send_multipart(out, copy=False)
+            head = self._encode.encode(KvBlocks(ask.fetch_id, self.layout))
+            self.sock.send_multipart([ident, head, *frames], copy=False)
             self.served += 1
+            if ask.last:  # its blocks are read: the lease may go (ipc/kv_leases.py)
+                self._table.ack(ask.rank, ask.slot, ask.generation, ask.incarnation)
+
+    def _lease(self, ask: KvFetch) -> str:
+        """Why the ask's lease is not held now; "" when it is."""
+        if ask.slot < 0:
+            return "no lease named"
+        try:
+            self._table = self._tables.view(self.prefix)
+        except KvShareError as e:
+            return f"no lease table here to check the lease against: {e}"
+        return self._table.check(ask.slot, ask.generation, ask.incarnation)
 
     def _check(self, ask: KvFetch) -> str:
         n = len(ask.blocks)
@@ -143,6 +170,7 @@ class Fetches:
         self.world = world
         self._socks: dict[str, zmq.Socket] = {}  # address -> DEALER, made on first use
         self._pending: dict[int, _Fetch] = {}  # ask id -> its fetch
+        self._per_peer: dict[str, int] = {}  # address -> its fetches in flight
         self._next = 1
         self._decode = msgspec.msgpack.Decoder(KvBlocks)
         self._encode = msgspec.msgpack.Encoder()
@@ -158,16 +186,21 @@ class Fetches:
         if error:
             return KvImported(msg.import_id, self.rank, False, 0.0, error)
         addr = msg.source.split(",")[self.rank]
+        if self._per_peer.get(addr, 0) >= MAX_FETCHES_PER_PEER:
+            error = f"{addr}: {MAX_FETCHES_PER_PEER} fetches in flight already"
+            return KvImported(msg.import_id, self.rank, False, 0.0, error)
         sock = self._socks.get(addr)
         if sock is None:
             try:  # no key file here (ValueError), a bad host name (ZMQError), ...
-                sock = self.socks.connect(zmq.DEALER, addr)
+                sock = self.socks.connect(zmq.DEALER, addr, SNDHWM=MAX_FETCHES_PER_PEER)
             except (ValueError, OSError, zmq.ZMQError) as e:
                 return KvImported(msg.import_id, self.rank, False, 0.0, f"{addr}: {e}")
             self._socks[addr] = sock
             self.poller.register(sock, zmq.POLLIN)
-        self._ask(_Fetch(msg, addr, sock, now), caches)
-        return None
+        f = _Fetch(msg, addr, sock, now)
+        self._per_peer[addr] = self._per_peer.get(addr, 0) + 1
+        error = self._ask(f, caches)
+        return self._end(f, now, error) if error else None
 
     def _check(self, caches: list[KVCache], msg: KvImport) -> str:
         addrs = msg.source.split(",")
@@ -175,6 +208,8 @@ class Fetches:
             return f"not a KV source: {msg.source[:80]!r}"
         if len(addrs) != self.world:
             return f"a source of {len(addrs)} ranks for {self.world} here"
+        if msg.slot < 0:
+            return "no lease named: nothing for the source to check the copy against"
         n = len(msg.src_blocks)
         limit = layout_of(caches).num_blocks
         if n == 0 or n != len(msg.dst_blocks) or len(set(msg.dst_blocks)) != n:
@@ -183,13 +218,23 @@ class Fetches:
             return f"a block id outside [0, {limit})"
         return ""
 
-    def _ask(self, f: _Fetch, caches: list[KVCache]) -> None:
+    def _ask(self, f: _Fetch, caches: list[KVCache]) -> str:
+        """Send the fetch's next ask; why it could not be sent, or ""."""
         per_ask = blocks_per_ask(self.socks.ipc.max_message_bytes, layout_of(caches))
         f.ask_id, self._next = self._next, self._next + 1
         f.size = min(per_ask, len(f.msg.src_blocks) - f.done)
-        blocks = f.msg.src_blocks[f.done : f.done + f.size]
+        m = f.msg
+        last = f.done + f.size == len(m.src_blocks)
+        ask = KvFetch(f.ask_id, m.src_blocks[f.done : f.done + f.size], m.slot, m.generation,
+                      m.incarnation, self.rank, last)  # fmt: skip
+        try:
+            f.sock.send(self._encode.encode(ask), zmq.NOBLOCK)
+        except zmq.Again:
+            return f"{f.addr} takes no more asks now (not reading, or not reachable)"
+        except zmq.ZMQError as e:
+            return f"{f.addr}: {e}"
         self._pending[f.ask_id] = f
-        f.sock.send(self._encode.encode(KvFetch(f.ask_id, blocks)), zmq.NOBLOCK)
+        return ""
 
     def on_events(self, events: dict, caches: list[KVCache], now: float) -> list[KvImported]:
         """Take the answers that came; the imports they end (made or failed), and those
@@ -240,9 +285,9 @@ class Fetches:
                     cache.index_copy_(0, d_idx, blocks.to(device))
         f.done += f.size
         if f.done < len(f.msg.src_blocks):
-            self._ask(f, caches)
-            return None
-        return KvImported(f.msg.import_id, self.rank, True, now - f.started)
+            error = self._ask(f, caches)
+            return self._end(f, now, error) if error else None
+        return self._end(f, now, "")
 
     def _check_frames(self, head: KvBlocks, frames: list, caches: list[KVCache], size: int) -> str:
         mine = layout_of(caches)
@@ -256,10 +301,17 @@ class Fetches:
         return ""
 
     def _end(self, f: _Fetch, now: float, error: str) -> KvImported:
-        return KvImported(f.msg.import_id, self.rank, False, now - f.started, error)
+        """The fetch's answer (made unless `error`); its peer has one fetch less in flight."""
+        left = self._per_peer.get(f.addr, 0) - 1
+        if left > 0:
+            self._per_peer[f.addr] = left
+        else:
+            self._per_peer.pop(f.addr, None)
+        return KvImported(f.msg.import_id, self.rank, not error, now - f.started, error)
 
     def close(self) -> None:
         for sock in self._socks.values():
             self.poller.unregister(sock)
             sock.close(linger=0)
         self._socks.clear()
+        self._per_peer.clear()
