@@ -248,6 +248,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 _DONE = object()
 _DISCONNECTED = object()
+EVENTS_AHEAD = 4  # events of one choice that may wait for the reader; then the choice waits
 
 
 class ChoiceGroup:
@@ -298,7 +299,10 @@ class ChoiceGroup:
             stats = engine.link.stats
             return stats.step_time if stats is not None else 0.0
 
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a reader that falls behind (a client that does not read its stream) stops
+        # the choices' tasks, whose engine requests' deltas then merge in their streams.
+        self.queue: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD * len(specs))
+        self.disconnected = False
         self.tasks = [
             asyncio.create_task(
                 self._pump(run_choice(st, tokenizer, s, metrics, deadline, step_time))
@@ -311,22 +315,26 @@ class ChoiceGroup:
         try:
             async with contextlib.aclosing(events) as it:
                 async for event in it:
-                    self.queue.put_nowait(event)
-            self.queue.put_nowait(_DONE)
+                    await self.queue.put(event)
+            await self.queue.put(_DONE)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self.queue.put_nowait(e)
+            await self.queue.put(e)
 
     async def _watch(self, request: Request) -> None:
         await _wait_disconnect(request)
         self.close()
-        self.queue.put_nowait(_DISCONNECTED)
+        self.disconnected = True
+        with contextlib.suppress(asyncio.QueueFull):  # full: the reader is not waiting
+            self.queue.put_nowait(_DISCONNECTED)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         remaining = len(self.tasks)
         try:
             while remaining:
+                if self.disconnected:
+                    raise ClientDisconnected()
                 item = await self.queue.get()
                 if item is _DONE:
                     remaining -= 1

@@ -8,7 +8,15 @@ Three parts, one per concern:
   it arrives (the scheduler sends its "abort" delta once no plan that can read
   the run is still in flight), or when a new scheduler greets us;
 - `RequestStream`: the deltas of one request. Its holder closes it; it tells
-  whoever made it through the `on_close` callback it was given.
+  whoever made it through the `on_close` callback it was given. Deltas that
+  arrive while an earlier one is still unread are merged into it (`_absorb`,
+  as vLLM's output collector merges outputs): a reader that falls behind holds
+  one delta of the tokens it has not read, never a queue that grows per step.
+  What all streams hold unread is bounded too (`--max-unread-tokens`): past
+  it, the stream furthest behind is cut: its unread tokens are dropped, its
+  request aborted, and its reader's next delta ends it with finish_reason
+  "abort" (what it read before is the output's prefix). vLLM merges outputs
+  the same way and keeps them however many there are;
 
 `EngineClient` puts them together: one per frontend process, used from its
 event loop only. Sends use NOBLOCK and never await, so that an abort can be
@@ -23,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from subway.frontend.prompt_ring import PromptRing
@@ -48,21 +57,61 @@ class RequestStream:
 
     Iterate it with `async for`; `close()` (idempotent) ends it and calls
     `on_close(stream)`, whose owner aborts the request if it had not finished.
-    Raises EngineDeadError when the engine fails.
+    Raises EngineDeadError when the engine fails. A delta put while the last one
+    put is unread joins it (`_absorb`), so what waits is one delta per stream
+    (the tokens not read yet), however far its reader is behind. `unread` counts
+    them (a token with k top logprobs as 1 + k); `on_unread(change)`, if given,
+    hears each change of it.
     """
 
     def __init__(
-        self, request_id: str, submitted_at: float, on_close: Callable[[RequestStream], None]
+        self,
+        request_id: str,
+        submitted_at: float,
+        on_close: Callable[[RequestStream], None],
+        on_unread: Callable[[int], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.submitted_at = submitted_at
         self.finished = False
         self.closed = False
+        self.cut = False  # `cut_off`: what the engine sends for it from now on is dropped
+        self.unread = 0
         self._on_close = on_close
-        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._on_unread = on_unread
+        self._items: deque[RequestDelta | BaseException] = deque()
+        self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestDelta | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if self.cut:
+            return
+        items = self._items
+        if isinstance(item, RequestDelta):
+            weight = _weight(item)
+            if weight:  # (inline: once per delta of every request)
+                self.unread += weight
+                if self._on_unread is not None:
+                    self._on_unread(weight)
+            if items and _absorb(items[-1], item):
+                return
+        items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def cut_off(self) -> None:
+        """Drop what is unread; the reader's next delta ends the stream with "abort"."""
+        if self.finished or self.closed:
+            return
+        self._items.clear()
+        self._count(-self.unread)
+        self.put(RequestDelta(request_id=self.request_id, token_ids=[], finish_reason="abort"))
+        self.cut = True
+
+    @property
+    def num_pending(self) -> int:
+        """Items put and not read yet (a merged delta counts once)."""
+        return len(self._items)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -70,10 +119,21 @@ class RequestStream:
     async def __anext__(self) -> RequestDelta:
         if self.finished or self.closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.close()
             raise item
+        weight = _weight(item)
+        if weight:
+            self.unread -= weight
+            if self._on_unread is not None:
+                self._on_unread(-weight)
         if item.finish_reason is not None:
             self.finished = True
             self.close()
@@ -82,7 +142,51 @@ class RequestStream:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._count(-self.unread)
+            self._items.clear()
             self._on_close(self)
+
+    def _count(self, change: int) -> None:
+        if change:
+            self.unread += change
+            if self._on_unread is not None:
+                self._on_unread(change)
+
+
+def _weight(delta: RequestDelta) -> int:
+    """What a delta counts against `--max-unread-tokens`: its tokens, each 1 + its top
+    logprobs (the numbers it holds)."""
+    top = delta.top_ids
+    return len(delta.token_ids) * (1 + len(top[0])) if top else len(delta.token_ids)
+
+
+def _absorb(last: RequestDelta | BaseException, new: RequestDelta) -> bool:
+    """Merge `new` into `last`, an unread delta of the same request, in place, when nothing
+    is lost by it: `last` has not finished, both carry logprobs or neither does, and `new`
+    has nothing that only a first delta carries. Amortised O(len(new))."""
+    if (
+        not isinstance(last, RequestDelta)
+        or last.finish_reason is not None
+        or (last.logprobs is None) != (new.logprobs is None)
+        or (last.top_ids is None) != (new.top_ids is None)
+        or (last.top_logprobs is None) != (new.top_logprobs is None)
+        or new.prompt_logprobs is not None
+        or new.queue_time is not None
+    ):
+        return False
+    last.token_ids += new.token_ids
+    if new.logprobs is not None:
+        last.logprobs += new.logprobs  # type: ignore[operator]
+    if new.top_ids is not None:
+        last.top_ids += new.top_ids  # type: ignore[operator]
+    if new.top_logprobs is not None:
+        last.top_logprobs += new.top_logprobs  # type: ignore[operator]
+    last.finish_reason = new.finish_reason
+    last.num_prompt_tokens = last.num_prompt_tokens or new.num_prompt_tokens
+    last.num_cached_tokens = last.num_cached_tokens or new.num_cached_tokens
+    if new.kv_lease is not None:
+        last.kv_lease = new.kv_lease
+    return True
 
 
 class EngineClient:
@@ -105,6 +209,8 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._unstarted: dict[str, int] = {}  # no delta yet (waiting, prefilling): prompt len
         self._queued_tokens = 0  # their sum
+        self.num_unread = 0  # what the streams hold unread (`RequestStream.unread`), in all
+        self._cutting = False
 
     @property
     def num_in_flight(self) -> int:
@@ -206,7 +312,7 @@ class EngineClient:
         except BaseException:
             self.ring.release(request_id)
             raise
-        stream = RequestStream(request_id, submitted_at, self._stream_closed)
+        stream = RequestStream(request_id, submitted_at, self._stream_closed, self._count_unread)
         self._streams[request_id] = stream
         self._unstarted[request_id] = len(prompt_ids)
         self._queued_tokens += len(prompt_ids)
@@ -253,6 +359,30 @@ class EngineClient:
             self._send_abort(request_id)
             if request_id in self.ring.runs:
                 self._aborted.add(request_id)
+
+    def _count_unread(self, change: int) -> None:
+        """A stream's unread tokens changed; past `--max-unread-tokens` in all, the streams
+        furthest behind are cut (`RequestStream.cut_off`) and their requests aborted."""
+        self.num_unread += change
+        limit = self.config.server.max_unread_tokens
+        if change <= 0 or limit <= 0 or self.num_unread <= limit or self._cutting:
+            return
+        self._cutting = True
+        try:
+            while self.num_unread > limit:
+                behind = max(self._streams.values(), key=lambda st: st.unread, default=None)
+                if behind is None or behind.unread == 0:
+                    break
+                log.warning(
+                    "request %s is aborted: its reader has not read %d of its tokens "
+                    "(weighed with their logprobs), the most of all streams, which pass "
+                    "--max-unread-tokens %d",
+                    behind.request_id, behind.unread, limit,
+                )  # fmt: skip
+                behind.cut_off()
+                self._send_abort(behind.request_id)
+        finally:
+            self._cutting = False
 
     def _send_abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a closed link: nothing left to abort

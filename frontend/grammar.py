@@ -1,22 +1,27 @@
 """Structured outputs at the frontend: a request's output constraint as a `Grammar`, and
-its check (`GrammarChecker`) before the engine ever sees it.
+its check before the engine ever sees it.
 
 `request_grammar` reads the constraint from whichever field gave it (OpenAI's
 `response_format`; vLLM's `structured_outputs` and its older `guided_*`
 spellings): one at most, across them all. A JSON schema travels as its JSON text,
 a `choice` as an EBNF grammar that matches exactly one of the choices.
 
-`GrammarChecker.check` compiles the grammar with xgrammar for the engine's
+`GrammarCheck.check` compiles the grammar with xgrammar for the engine's
 vocabulary: what does not compile (an invalid schema, regex or EBNF) is a 400
 with xgrammar's message, so that no request reaches the engine with a grammar
-its worker cannot compile. The compiler keeps what it compiled (bounded by
-`CACHE_BYTES`), so a schema that many requests share costs its compile once.
-The pipeline runs the check off the event loop under `--grammar-timeout`
-(`pipeline.check_grammars`).
+its worker cannot compile; what does not compile within `--grammar-timeout` is
+a 400 too. The compile runs in a worker process that the time limit kills
+(`grammar_pool.py`); the frontend keeps only each grammar's verdict, by a
+16-byte digest of its text (`VerdictCache`: `SEEN_GRAMMARS` of them, a few MB
+at most whatever the grammars' size), so that a grammar that many requests
+share costs its compile once. `GrammarChecker` compiles in-process, with
+xgrammar's own cache (for tools and benchmarks; the server does not use it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import re
 import threading
@@ -27,13 +32,23 @@ from collections.abc import Callable
 import msgspec
 
 from subway.frontend.errors import APIError
+from subway.frontend.grammar_pool import (
+    CompileTimeout,
+    GrammarPool,
+    PoolBusy,
+    PoolError,
+    WorkerDied,
+)
 from subway.frontend.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
 from subway.ipc.messages import JSON_OBJECT_SCHEMA, MAX_GRAMMAR_CHARS, Grammar
 
-CACHE_BYTES = 64 << 20  # what the frontend's compiler keeps of compiled grammars, at most
-SEEN_GRAMMARS = 4096  # grammars remembered as compiled (to tell cached compiles from cold)
-COMPILE_THREADS = 2  # xgrammar's threads for one compile
+CACHE_BYTES = 64 << 20  # `GrammarChecker`'s xgrammar cache (xgrammar keeps it near this)
+SEEN_GRAMMARS = 4096  # grammar verdicts remembered, by digest
+COMPILE_THREADS = 2  # xgrammar's threads for one of `GrammarChecker`'s compiles
 MAX_ERROR_CHARS = 500
+DIGEST_BYTES = 16
+INLINE_BYTES = 1 << 16  # grammars encoded and hashed on the event loop up to this size
+_OK = ""  # the verdict of a grammar that compiled
 
 # xgrammar's messages start with a time and a C++ source location: not for clients.
 _LOCATION = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -152,6 +167,34 @@ def choice_grammar(choices: list[str], param: str = "choice") -> str:
     return f"root ::= {literals}"
 
 
+def compile_grammar(compiler, grammar: Grammar) -> None:
+    """Compile `grammar` with xgrammar's `compiler`, as the worker compiles it; raises
+    what xgrammar raises for one that does not compile."""
+    if grammar.kind in ("json_schema", "json_object"):
+        spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
+        compiler.compile_json_schema(spec, any_whitespace=not grammar.compact)
+    elif grammar.kind == "regex":
+        compiler.compile_regex(grammar.spec)
+    elif grammar.kind == "ebnf":
+        compiler.compile_grammar(grammar.spec)
+    else:
+        raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def encode_grammar(grammar: Grammar) -> bytes:
+    """The grammar as msgpack: what a compile worker reads, and what its digest is of."""
+    return msgspec.msgpack.encode(grammar)
+
+
+def digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()
+
+
+def invalid(grammar: Grammar, message: str, param: str | None) -> APIError:
+    kind = _KIND_NAMES.get(grammar.kind, "grammar")
+    return APIError(400, f"the {kind} is invalid: {message}", param)
+
+
 def clean_message(e: Exception) -> str:
     """xgrammar's error as a client may see it: no time, no source path, one paragraph."""
     text = str(e).strip()
@@ -160,8 +203,129 @@ def clean_message(e: Exception) -> str:
     return text[:MAX_ERROR_CHARS] or type(e).__name__
 
 
+class VerdictCache:
+    """Verdicts of grammars compiled, by digest: "" (it compiled) or xgrammar's message,
+    the `size` most recently used. What it holds is bounded by construction, whatever
+    the grammars: `size` entries of a 16-byte key and a message of `MAX_ERROR_CHARS`
+    at most (under 10 MB for 4096)."""
+
+    def __init__(self, size: int = SEEN_GRAMMARS) -> None:
+        self.size = size
+        self._verdicts: OrderedDict[bytes, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    def get(self, key: bytes) -> str | None:
+        verdict = self._verdicts.get(key)
+        if verdict is not None:
+            self._verdicts.move_to_end(key)
+        return verdict
+
+    def put(self, key: bytes, verdict: str) -> None:
+        self._verdicts[key] = verdict[:MAX_ERROR_CHARS]
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > self.size:
+            self._verdicts.popitem(last=False)
+
+
+class GrammarCheck:
+    """The server's grammar check: a verdict from the cache, or a compile in the pool's
+    worker processes under `timeout` seconds (0: none), the wait for a worker included.
+
+    `counts` holds the checks by result: "cold" (compiled now), "cached" (a verdict
+    from the cache), "error" (it does not compile) and "timeout"; `on_compile(result,
+    seconds)`, when given, sees each (the `/metrics` figures). Used from one event loop.
+    """
+
+    def __init__(
+        self,
+        pool: GrammarPool,
+        timeout: float,
+        vocab: tuple[int, list[int]],
+        on_compile: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        self.vocab = vocab  # what it was made for
+        self.on_compile = on_compile
+        self.verdicts = VerdictCache()
+        self.counts = {"cold": 0, "cached": 0, "error": 0, "timeout": 0}
+
+    async def check(self, grammar: Grammar, param: str | None = None) -> None:
+        """APIError 400 if `grammar` does not compile, or not in time; 503 if no worker was
+        free in time, or the pool is gone (PoolError is raised with it: its owner makes
+        another)."""
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout if self.timeout > 0 else None
+        if len(grammar.spec) <= INLINE_BYTES // 4:
+            payload = encode_grammar(grammar)
+            key = digest(payload)
+        else:  # a large spec's copy and hash stay off the event loop
+            payload, key = await asyncio.to_thread(_encoded, grammar)
+        verdict = self.verdicts.get(key)
+        if verdict is None:
+            verdict = await self._compile(grammar, payload, deadline, param)
+            self.verdicts.put(key, verdict)
+            result = "cold" if verdict == _OK else "error"
+        else:
+            result = "cached" if verdict == _OK else "error"
+        self._count(result, time.perf_counter() - start)
+        if verdict != _OK:
+            raise invalid(grammar, verdict, param)
+
+    async def _compile(
+        self, grammar: Grammar, payload: bytes, deadline: float | None, param: str | None
+    ) -> str:
+        """The verdict of a compile in the pool; what is not a verdict raises APIError (a
+        worker that ended during the compile too, uncached: that may not be the grammar's
+        doing)."""
+        start = time.perf_counter()
+        try:
+            error = await self.pool.compile(payload, deadline)
+        except CompileTimeout:
+            self._count("timeout", time.perf_counter() - start)
+            limit = f"{self.timeout:g} s"
+            raise APIError(
+                400, f"compiling the grammar took longer than this server's limit of {limit}", param
+            ) from None
+        except PoolBusy:
+            raise APIError(
+                503,
+                f"the server is busy: no grammar compiler was free within {self.timeout:g} s",
+                headers={"Retry-After": "1"},
+            ) from None
+        except WorkerDied:
+            self._count("error", time.perf_counter() - start)
+            kind = _KIND_NAMES.get(grammar.kind, "grammar")
+            raise APIError(
+                400, f"the {kind} could not be compiled: its compile ended the compiler's "
+                "process (out of memory?)", param,
+            ) from None  # fmt: skip
+        except PoolError as e:
+            raise APIError(
+                503, f"structured outputs are restarting: {e}", headers={"Retry-After": "1"}
+            ) from e
+        return _OK if error is None else error
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _count(self, result: str, seconds: float) -> None:
+        self.counts[result] += 1
+        if self.on_compile is not None:
+            self.on_compile(result, seconds)
+
+
+def _encoded(grammar: Grammar) -> tuple[bytes, bytes]:
+    payload = encode_grammar(grammar)
+    return payload, digest(payload)
+
+
 class GrammarChecker:
-    """Compiles grammars for one engine's vocabulary, to refuse those that do not compile.
+    """Compiles grammars for one engine's vocabulary in this process, to refuse those that
+    do not compile (`GrammarCheck` does it for the server, in killable processes).
 
     Thread-safe (the pipeline calls it from its worker threads). `counts` holds the
     compiles by result: "cold" (first seen here), "cached" (compiled here before:
@@ -188,40 +352,23 @@ class GrammarChecker:
         self.on_compile = on_compile
         self.counts = {"cold": 0, "cached": 0, "error": 0}
         self.seconds = 0.0
-        self._seen: OrderedDict[Grammar, None] = OrderedDict()
+        self._seen = VerdictCache()  # digests of the grammars compiled
         self._lock = threading.Lock()
 
     def check(self, grammar: Grammar, param: str | None = None) -> None:
         """Compile `grammar`; APIError 400 with xgrammar's message if it does not compile."""
+        key = digest(encode_grammar(grammar))
         with self._lock:
-            seen = grammar in self._seen
+            seen = self._seen.get(key) is not None
         start = time.perf_counter()
         try:
-            self._compile(grammar)
+            compile_grammar(self.compiler, grammar)
         except Exception as e:  # xgrammar raises RuntimeError (and a few others) for bad input
             self._count("error", time.perf_counter() - start)
-            raise APIError(
-                400, f"the {_KIND_NAMES.get(grammar.kind, 'grammar')} is invalid: "
-                f"{clean_message(e)}", param,
-            ) from None  # fmt: skip
+            raise invalid(grammar, clean_message(e), param) from None
         self._count("cached" if seen else "cold", time.perf_counter() - start)
         with self._lock:
-            self._seen[grammar] = None
-            self._seen.move_to_end(grammar)
-            while len(self._seen) > SEEN_GRAMMARS:
-                self._seen.popitem(last=False)
-
-    def _compile(self, grammar: Grammar) -> None:
-        c = self.compiler
-        if grammar.kind in ("json_schema", "json_object"):  # as the worker compiles them
-            spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
-            c.compile_json_schema(spec, any_whitespace=not grammar.compact)
-        elif grammar.kind == "regex":
-            c.compile_regex(grammar.spec)
-        elif grammar.kind == "ebnf":
-            c.compile_grammar(grammar.spec)
-        else:
-            raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+            self._seen.put(key, _OK)
 
     def _count(self, result: str, seconds: float) -> None:
         with self._lock:

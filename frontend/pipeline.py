@@ -7,7 +7,7 @@ One request goes through the same stages whichever the endpoint:
    and sampling parameters); parsing and the job (chat template, tokenization)
    run off the event loop, time-limited (`admission.Offload`); then each
    distinct grammar of the job (structured outputs, tool calls) is compiled
-   once, off the event loop under `--grammar-timeout` (`check_grammars`), so
+   once, in a worker process under `--grammar-timeout` (`check_grammars`), so
    that an invalid or too slow one is a 400 and never reaches the engine;
 2. `admit`: the job fans out into one engine request per choice, all submitted
    at once (`choices.py`, which reaches the scheduler through `engine_client.py`);
@@ -49,7 +49,8 @@ from subway.frontend.choices import (
 )
 from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
 from subway.frontend.errors import APIError
-from subway.frontend.grammar import GrammarChecker, request_constraint
+from subway.frontend.grammar import GrammarCheck, request_constraint
+from subway.frontend.grammar_pool import GrammarPool, PoolError, PoolStartError
 from subway.frontend.inputs import (
     IGNORED_HEADER,
     Job,
@@ -78,32 +79,63 @@ class ServingContext:
     tokenizer: object
     metrics: Metrics | None = None
     offload: Offload = field(init=False)  # parsing, chat templates, tokenization
-    grammar_offload: Offload = field(init=False)  # grammar checks, under --grammar-timeout
-    _checker: GrammarChecker | None = field(init=False, default=None)
+    _grammar: GrammarCheck | None = field(init=False, default=None)
+    _grammar_start: asyncio.Task | None = field(init=False, default=None)
+    _grammar_failed: tuple[tuple, str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.offload = Offload(self.config.server.template_timeout)
-        self.grammar_offload = Offload(self.config.server.grammar_timeout)
 
-    async def grammar_checker(self) -> GrammarChecker:
-        """The checker for the engine's vocabulary, made on first use (its tokenizer
-        info takes ~0.1 s: on a thread, outside any request's grammar time limit; two
-        first requests at once may both make one, and the last made is kept)."""
+    async def grammar_check(self) -> GrammarCheck:
+        """The check for the engine's vocabulary, made on first use: its compile processes
+        start in a few seconds (xgrammar's import, the tokenizer), outside any request's
+        grammar time limit. Requests that arrive meanwhile wait for the same start; a
+        cancelled request does not cancel it."""
         info = self.engine.link.info
         if info is None:
             raise APIError(503, "the engine is not ready yet")
-        checker = self._checker
-        if checker is None or checker.vocab != (info.vocab_size, list(info.eos_token_ids)):
-            on_compile = self.metrics.observe_grammar_compile if self.metrics else None
-            try:
-                checker = await asyncio.to_thread(
-                    GrammarChecker, self.tokenizer, info.vocab_size, info.eos_token_ids, on_compile
-                )
-            except Exception as e:  # a tokenizer xgrammar cannot read: no structured outputs
-                log.error("cannot compile grammars for this tokenizer: %r", e)
-                raise APIError(500, "structured outputs are not available for this model") from e
-            self._checker = checker
-        return checker
+        vocab = (info.vocab_size, list(info.eos_token_ids))
+        loop = asyncio.get_running_loop()
+        check = self._grammar
+        if check is not None and check.vocab == vocab and check.pool.loop is loop:
+            if not check.pool.broken:
+                return check
+        if self._grammar_failed is not None and self._grammar_failed[0] == vocab:
+            raise APIError(500, "structured outputs are not available for this model")
+        start = self._grammar_start
+        if start is None or start.done() or start.get_loop() is not loop:
+            start = self._grammar_start = loop.create_task(self._start_grammar(vocab))
+            start.add_done_callback(_retrieved)  # its error reaches every waiter, if any
+        return await asyncio.shield(start)
+
+    async def _start_grammar(self, vocab: tuple[int, list[int]]) -> GrammarCheck:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
+        server = self.config.server
+        path = getattr(self.tokenizer, "name_or_path", "") or (
+            self.config.model.tokenizer or self.config.model.path
+        )
+        pool = GrammarPool(path, vocab[0], vocab[1], server.grammar_workers)
+        try:
+            await pool.start()
+        except PoolStartError as e:  # a tokenizer xgrammar cannot read: no structured outputs
+            log.error("cannot compile grammars for this tokenizer: %s", e)
+            self._grammar_failed = (vocab, str(e))
+            raise APIError(500, "structured outputs are not available for this model") from e
+        except PoolError as e:
+            log.error("the grammar compiler did not start: %s", e)
+            raise APIError(503, f"structured outputs are not available now: {e}",
+                           headers={"Retry-After": "1"}) from e  # fmt: skip
+        on_compile = self.metrics.observe_grammar_compile if self.metrics else None
+        self._grammar = GrammarCheck(pool, server.grammar_timeout, vocab, on_compile)
+        return self._grammar
+
+    def close(self) -> None:
+        """Stop the grammar compile processes (they also stop when this process ends)."""
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
     def limits(self) -> Limits:
         link = self.engine.link
@@ -121,6 +153,11 @@ class ServingContext:
         if requested is None:
             return server
         return min(requested, server) if server else requested
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def new_id(prefix: str) -> str:
@@ -153,21 +190,17 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
 
 
 async def check_grammars(ctx: ServingContext, job: Job, req: SamplingRequest) -> None:
-    """Compile each distinct grammar of the job's sampling once, on the grammar workers
-    under `--grammar-timeout`: an invalid one is a 400 with xgrammar's message, one
-    that takes longer is a 400 too. A compile runs inside xgrammar's C++ code, which
-    the time limit cannot interrupt: the request is answered at the limit, but the
-    compile's thread stays counted (of `Offload.workers`) until the compile ends."""
+    """Check each distinct grammar of the job's sampling once (`GrammarCheck`): an invalid
+    one is a 400 with xgrammar's message, one that compiles slower than `--grammar-timeout`
+    a 400 too (its compile process is killed and replaced, so it holds no CPU after)."""
     grammars = list(dict.fromkeys(sp.grammar for sp in job.sampling if sp.grammar is not None))
     if not grammars:
         return
-    checker = await ctx.grammar_checker()
+    check = await ctx.grammar_check()
     given = request_constraint(req)  # the field named in an error, when it is the request's
     for grammar in grammars:
         param = given[0] if given is not None and given[1] == grammar else None
-        await ctx.grammar_offload.run(
-            checker.check, grammar, param, what="compiling the grammar", param=param
-        )
+        await check.check(grammar, param)
 
 
 def admit(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import zlib
 from array import array
 
@@ -98,6 +99,46 @@ def test_propose_matches_whole_tokens_only():
     seq = ids(a, 42, t1, t2, 99, a)
     assert bytes(seq)[10:14] == bytes(ids(a))  # the unaligned occurrence is there
     assert propose(seq, ids(), 2, 1, 1) == [42, t1]
+
+
+def test_propose_searches_the_last_window_only():
+    from subway.scheduler import speculative
+
+    window = getattr(speculative, "LOOKUP_WINDOW", 8192)  # (the test fails before it was)
+    # The only earlier 7 sits at the window's first token, then just outside it.
+    inside = ids(7, 8, *([1] * (window - 3)), 7)
+    assert len(inside) == window and propose(inside, ids(), 2, 1, 1) == [8, 1]
+    assert propose(ids(0, *inside), ids(), 2, 1, 1) == [8, 1]
+    outside = ids(7, 8, 9, *inside[2:])  # window + 1 tokens: the first 7 is out
+    assert propose(outside, ids(), 2, 1, 1) == []
+    # Prompt and output together make the window.
+    assert propose(inside[:10], inside[10:], 2, 1, 1) == [8, 1]
+    assert propose(outside[:3], outside[3:], 2, 1, 1) == []
+
+
+def _best_seconds(fn, times: int = 5) -> float:
+    best = float("inf")
+    for _ in range(times):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def test_a_proposal_costs_the_same_however_long_the_sequence():
+    """1M tokens chosen to match the last one across every token boundary (7 << 8 holds the
+    bytes of 7 shifted by one): the byte search over the whole sequence took ~0.35 s a step
+    here; the window makes it cost about what 1,000 tokens cost."""
+    adversarial = array("i", [7 << 8] * 1_000_000 + [7])
+    short = array("i", [7 << 8] * 1_000 + [7])
+    assert propose(adversarial, ids(), 4, 4, 1) == []
+    long_s = _best_seconds(lambda: propose(adversarial, ids(), 4, 4, 1))
+    short_s = _best_seconds(lambda: propose(short, ids(), 4, 4, 1))
+    assert long_s < max(5e-3, 20 * short_s), (long_s, short_s)
+    # Every token the same, the longest lookup vLLM allows: still bounded.
+    same = array("i", [5] * 1_000_000)
+    assert propose(same, same, 4, 64, 1) == [5]
+    assert _best_seconds(lambda: propose(same, same, 4, 64, 1)) < 0.05
 
 
 # ------------------------------------------------------------------ verification
