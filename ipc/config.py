@@ -203,8 +203,9 @@ class ServerConfig:
     client_addr: str = opt("", 'native ZMQ client endpoint (default ipc://RUN_DIR/client.sock); '
                            '"off": none')  # fmt: skip
     client_curve_key_file: str = opt(
-        "", "CurveZMQ key file (mode 0600; `subway keygen FILE`) of a tcp:// --client-addr: "
-        "clients need its public key (FILE.pub)"
+        "",
+        "CurveZMQ key file (mode 0600; `subway keygen FILE`) of a tcp:// --client-addr: "
+        "clients need its public key (FILE.pub)",
     )
 
 
