@@ -38,6 +38,10 @@ class KvFetch(msgspec.Struct, tag="kv_fetch"):
     slot: int = -1
     generation: int = 0
     incarnation: int = 0
+    # The asker's rank, and whether this is the lease's last ask: once it is answered, the
+    # server acknowledges the lease for that rank (ipc/kv_leases.py, `LeaseView.ack`).
+    rank: int = 0
+    last: bool = False
 
 
 class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
