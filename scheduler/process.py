@@ -408,6 +408,8 @@ class SchedulerLoop:
     def close(self) -> None:
         """Tell the workers to exit, close everything, remove the socket files."""
         self.workers.close()
+        if self.sched is not None and self.sched.leases is not None:
+            self.sched.leases.close()  # the lease table (`ipc/kv_leases.py`)
         self.requests.disable_monitor()
         self.frontend_monitor.close(linger=0)
         self.frontend.close(linger=LINGER_MS)

@@ -389,7 +389,6 @@ PD = ["--prefill-engines", "1", "--decode-engines", "1", "--threads", "1",
       "--block-size", "8", "--num-kv-blocks", "256", "--max-num-seqs", "1"]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_a_lease_is_released_when_its_copy_is_made_not_when_the_request_runs(tiny_models):
     """One place in the decode engine's batch (--max-num-seqs 1), a long request in it: a
     second request is handed off and its blocks copied, then waits for that place. Its
@@ -433,7 +432,6 @@ def test_a_lease_is_released_when_its_copy_is_made_not_when_the_request_runs(tin
     assert s.shm_files() == []
 
 
-@pytest.mark.slow
 def test_a_prefill_engine_without_room_in_dev_shm_says_so(tiny_models):
     """`subway serve` with a 64 MiB /dev/shm (the token buffers fit, the prefill engine's
     1 GiB of KV caches do not): that engine stops at start with the reason in `/health`

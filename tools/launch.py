@@ -94,9 +94,10 @@ def shm_names(config: EngineConfig) -> list[str]:
 
 
 def _is_kv_segment(name: str, config: EngineConfig) -> bool:
-    """A prefill engine's shared KV caches (`worker/kv_share.py`): `subway_RUN_kvRANK`."""
+    """A prefill engine's shared KV caches (`worker/kv_share.py`), `subway_RUN_kvRANK`, and
+    its lease table (`ipc/kv_leases.py`), `subway_RUN_kvleases`."""
     head = f"{config.ipc.kv_source}_kv"
-    return name.startswith(head) and name[len(head) :].isdigit()
+    return name == head + "leases" or (name.startswith(head) and name[len(head) :].isdigit())
 
 
 def remove_leftovers(config: EngineConfig, made_run_dir: bool) -> list[str]:

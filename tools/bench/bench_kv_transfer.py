@@ -26,6 +26,7 @@ import zmq
 
 from subway.ipc import curve
 from subway.ipc.config import IpcConfig
+from subway.ipc.kv_leases import LeaseTable
 from subway.ipc.messages import KvImport
 from subway.ipc.sockets import Sockets
 from subway.worker.kv_cache import allocate_kv_cache
@@ -50,6 +51,9 @@ def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
     shared = SharedKvCache(
         segment_name(source, 0), KvLayout(layers, pool, block_size, heads, dim, dtype)
     )
+    table = LeaseTable(source, 1, [shared.incarnation])  # one lease, held throughout
+    slot, gen = table.grant()
+    lease = (slot, gen, table.incarnation)
     for k, v in shared.caches:
         k.copy_(torch.randn(k.shape).to(k.dtype))
         v.copy_(torch.randn(v.shape).to(v.dtype))
@@ -63,7 +67,7 @@ def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
     key = os.path.join(tmp, "curve.key")
     curve.write_key_file(key)
     ctx = zmq.Context()
-    socks = Sockets(ctx, IpcConfig(curve_key_file=key))
+    socks = Sockets(ctx, IpcConfig(curve_key_file=key, run_id=source[len("subway_") :]))
     addr = f"tcp://127.0.0.1:{_free_port()}"
     server = KvServer(socks, addr, shared.caches)
     poller = zmq.Poller()
@@ -74,10 +78,10 @@ def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
     try:
         for i in range(repeats + 1):  # the first of each: warm-up (mappings, connect)
             t0 = time.perf_counter()
-            ok, _, why = importer.run(dst, KvImport(i, source, src_ids, dst_ids))
+            ok, _, why = importer.run(dst, KvImport(i, source, src_ids, dst_ids, *lease))
             assert ok, why
             t1 = time.perf_counter()
-            answer = fetches.start(dst, KvImport(i, addr, src_ids, dst_ids), t1)
+            answer = fetches.start(dst, KvImport(i, addr, src_ids, dst_ids, *lease), t1)
             while answer is None:
                 events = dict(poller.poll(10_000))
                 if server.sock in events:
@@ -97,6 +101,7 @@ def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
         socks.close()
         ctx.term()
         shared.close()
+        table.close()
         os.unlink(key)
         os.rmdir(tmp)
     out = {"blocks": blocks, "block_size": block_size, "dtype": dtype, "bytes": moved}
