@@ -88,7 +88,7 @@ def test_fused_decode_under_int8_gives_the_python_loops_bits(tiny_models, arch, 
     """`--quantization int8`: each linear is Int8Linear's call (quantize the rows, the AVX2
     or AMX int8 matmul) inside the fused call. The same tokens and logprobs with and without
     it, at 1, 3 and 20 sequences: int8 steps of any size are fused (the int8 matmuls take
-    any row count). Where the int8 matmul is oneDNN's (VNNI without AMX) the loop stays."""
+    any row count). Where the int8 matmul is oneDNN's (no AVX2) the loop stays."""
     from subway.llm import LLM
     from subway.worker.quant import choose_path, int8_ops
 

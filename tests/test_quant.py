@@ -136,6 +136,28 @@ def test_int8_paths_agree(ops, dtype):
 
 
 @needs_int8
+def test_the_chosen_path_never_runs_onednns_reference_matmul(ops, capfd):
+    """Where oneDNN's int8 matmul runs here, ONEDNN_VERBOSE names its implementation: on a
+    CPU with VNNI and no AMX (Zen 4) it was `ref_int8` for our signed rows (about 1 s for
+    64 x 576 x 1536, and a default-model test took past 600 s). The path chosen by default
+    must then be another one; oneDNN stays only where nothing else runs."""
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576).to(torch.bfloat16)
+    chosen = Int8Linear(w, ops).path
+    if not _can(ops, "onednn"):
+        assert chosen in ("amx", "avx2")
+        return
+    lin = Int8Linear(w, ops, "onednn")
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        lin(torch.randn(4, 576).to(torch.bfloat16))
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if ",exec," in ln]
+    assert lines, "oneDNN printed no exec line"
+    if any("ref_int8" in ln or ",ref:" in ln for ln in lines):
+        assert chosen != "onednn", lines
+
+
+@needs_int8
 def test_avx2_int8_sums_do_not_saturate(ops):
     """Without VNNI a pair of byte products is summed in 16 bits (vpmaddubsw): 127 * 127 * 2
     fits, 128 * 127 * 2 or 255 * 127 * 2 would not. Rows of +-127 against weights of +-127,

@@ -5,9 +5,9 @@ Each linear weight is quantized once, after loading and sharding (so under tenso
 parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
 per row, `Kernels.quantize_rows`), the int8 matmul runs on AMX's int8 tiles where the
-CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in oneDNN where the CPU has
-VNNI (`onednn::qlinear_pointwise` on a prepacked weight), else in our AVX2 kernel
-(subway_kernels/csrc/avx2_int8_cpu.cpp), and each output row is scaled back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
+CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in our AVX2 kernel
+(subway_kernels/csrc/avx2_int8_cpu.cpp), else (no AVX2, VNNI) in oneDNN
+(`onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
 activation outliers into the weights first); embeddings, norms and attention stay in
 the model's dtype.
 """
@@ -106,15 +106,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def choose_path(ops: object, in_features: int, want: str = "auto") -> str:
     """Which int8 matmul a weight of `in_features` inputs takes: AMX's tiles where the CPU
-    has them, oneDNN where it has VNNI, our AVX2 kernel elsewhere (where oneDNN's pairs of
-    products would saturate). `want` forces one (tests, benchmarks) where it can run."""
+    has them, else our AVX2 kernel, else oneDNN (with VNNI; without, its pairs of products
+    saturate). oneDNN comes last: torch's prepacked weight carries zero-point compensation
+    but not the s8-by-s8 one, so for our signed activations a CPU with VNNI and no AMX
+    (Zen 4, Ice Lake) runs oneDNN's reference matmul, about 1 s for 64 x 576 x 1536 where
+    the AVX2 kernel takes milliseconds. `want` forces one (tests, benchmarks) where it can
+    run."""
     can = {
         "amx": in_features % 64 == 0 and ops.amx_int8_supported(),
         "onednn": onednn_int8(),
         "avx2": in_features % 4 == 0 and ops.avx2_int8_supported(),
     }
     if want == "auto":
-        for path in ("amx", "onednn", "avx2"):
+        for path in ("amx", "avx2", "onednn"):
             if can[path]:
                 return path
         raise ValueError(f"no int8 matmul here for {in_features} inputs (no VNNI; AVX2 needs 4n)")
