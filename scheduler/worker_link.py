@@ -40,6 +40,10 @@ on the machine where steps are slowest, a stopped worker is still declared in
 10-11 s, and a slow step is still given its twenty predictions. The same signs, for
 workers of any device on this host, stretch the bound of the first steps (see
 `hung_bound`).
+
+An idle engine sends no plan, so no step can time out: there the same samples (taken
+every `PEER_CHECK_S`, idle or not) declare a worker that has been stopped by a signal
+(state "T") for `HUNG_MIN_S` (`_check_idle`).
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ class WorkWatch:
         self.pids: list[int] = []
         self.cpu = False
         self.active_at = 0.0
+        self.stopped: dict[int, float] = {}  # pid -> since when it has been stopped ("T")
         self._ticks: dict[int, int] = {}
         tick_s = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._active_ticks = max(1, round(ACTIVE_CPU_S / tick_s))
@@ -171,10 +176,21 @@ class WorkWatch:
                 self.pids, self.cpu = [], False
                 return
             ticks, state = sign
+            if state == "T":
+                self.stopped.setdefault(pid, now)
+            else:
+                self.stopped.pop(pid, None)
             last = self._ticks.get(pid)
             if state in ("R", "D") or last is None or ticks - last >= self._active_ticks:
                 self.active_at = now
             self._ticks[pid] = ticks
+
+    def stopped_for(self, now: float) -> tuple[int, float] | None:
+        """(pid, seconds) of the worker stopped longest (by a signal: state "T"), if any."""
+        if not self.stopped:
+            return None
+        pid, since = min(self.stopped.items(), key=lambda kv: kv[1])
+        return pid, now - since
 
     def working(self, now: float) -> bool:
         """A sign of work at one of the last two samples."""
@@ -278,10 +294,25 @@ class WorkerLink:
         now = self.clock()
         if self.failure is None and now - self._peers_checked_at >= PEER_CHECK_S:
             self._check_peers()
-            if self._inflight:
-                self.work.sample(now)
+            self.work.sample(now)
+            if not self._inflight:
+                self._check_idle(now)
         if self.failure is None and self._inflight:
             self._check_progress(now)
+
+    def _check_idle(self, now: float) -> None:
+        """With no plan in flight no step can time out, so a worker stopped while its engine
+        is idle (a prefill engine between handoffs, say) would be found only by the next
+        request, which then waits out a step's bound: a worker of this host seen stopped
+        (state "T", SIGSTOP) for `HUNG_MIN_S` is a failure now. A worker hung in another
+        way while idle is found by the next plan's bound."""
+        stopped = self.work.stopped_for(now)
+        if stopped is not None and stopped[1] >= HUNG_MIN_S:
+            rank = next((w.rank for w in self.workers.values() if w.pid == stopped[0]), -1)
+            self.failure = (
+                f"worker {rank} (pid {stopped[0]}) has been stopped for {stopped[1]:.1f} s "
+                "while the engine was idle: a worker is hung"
+            )
 
     def _check_progress(self, now: float) -> None:
         """A failure if the oldest plan in flight has made no progress within its bound:

@@ -565,3 +565,20 @@ def test_chaos_killed_worker_is_reported(tiny_models) -> None:
     assert r.exit_code not in (0, None) and r.detect_s is not None and r.detect_s < 30
     assert r.leftovers == []
     assert "PASS" in chaos.table([r])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["kill-prefill", "stop-decode"])
+def test_chaos_an_engine_lost_mid_handoff_leaves_serve_serving(tiny_models, case) -> None:
+    """A prefill engine killed, or a decode engine's worker stopped, while a stream's KV
+    lease is live: the engine is reported and gone, serve runs on, a new round of requests
+    all run whole on the engine left, SIGTERM exits 0, nothing left behind."""
+    from subway.tools.bench import chaos
+
+    a = argparse.Namespace(model=tiny_models["qwen2"], clients=2, max_tokens=200, bound=60.0,
+                           step_timeout=0.0, serve_args=["--num-kv-blocks", "128"])  # fmt: skip
+    r = chaos.run_case(case, a)
+    assert r.passed, r
+    assert r.detect_s is not None and r.detect_s < chaos.STOPPED_WORKER_S
+    assert r.exit_code == 0 and r.leftovers == []
+    assert any("new requests whole" in n for n in r.notes), r.notes

@@ -199,6 +199,21 @@ def test_a_stopped_gpu_worker_in_its_first_steps_meets_the_cold_bound(make_link)
     assert "a first step" in t.link.failure
 
 
+def test_a_worker_stopped_while_its_engine_is_idle_is_declared_after_ten_seconds(make_link):
+    """No plan in flight, so no step can time out: a worker seen stopped (state T) for
+    10 s is a failure anyway (on 9c8d7d0 an idle prefill engine's stopped worker went
+    unseen until the next request waited out a step's bound); an idle worker asleep
+    (state S, no CPU time) is not."""
+    t = make_link()
+    t.local_worker(lambda now: (5000, "S"))
+    assert t.failed_at(60) is None
+    t.local_worker(lambda now: (5000, "T"))
+    failed = t.failed_at(60)
+    assert failed is not None and 10.0 <= failed <= 11.5, failed
+    assert "stopped" in t.link.failure and "idle" in t.link.failure
+    assert f"pid {os.getpid()}" in t.link.failure and "worker 0" in t.link.failure
+
+
 def test_workers_elsewhere_give_no_evidence(make_link):
     t = make_link()
     ready = WorkerReady(rank=0, pid=1, num_blocks=8, max_model_len=64, vocab_size=100,

@@ -14,6 +14,18 @@ has tokens flowing, then injects one fault:
   first). Expected: /health stays 200, every stream runs to its length (in flight at the
   probe and one more per client after it), then SIGTERM stops `serve` with exit 0.
 
+- `kill-prefill`, `stop-prefill`, `kill-decode`, `stop-decode` (serve with
+  `--prefill-engines 1 --decode-engines 1`): the named engine's worker, mid-handoff (at
+  the moment a stream has its first token, which the prefill engine sampled, so its KV
+  lease is live and the decode engine is copying it). Expected: the engine is reported
+  (/health "degraded", or a client's error), that engine's processes are gone, `serve`
+  runs on, and a round of new requests afterwards (one per client) all run to their
+  length on the engine left; then SIGTERM stops `serve` with exit 0.
+- `stop-grammar`: SIGSTOP worker 0 while it compiles a grammar (a schema that takes it
+  seconds, sent once the load flows; the fault lands when a thread new to worker 0 has
+  spent 0.2 s of CPU). Expected as for `stop-worker0`, and the constrained request ends
+  with an error, not a hang.
+
 After each case /dev/shm and the run folder must hold nothing of the run id. A table
 says, for each case: the first sign of detection (seconds after the fault), serve's exit
 (seconds and code), the clients' requests (ok / error / hung), leftovers, PASS/FAIL;
@@ -45,11 +57,16 @@ import time
 import httpx
 import psutil
 
-from subway.tools.bench.soak import ServeProcess, engine_processes, free_port, health
+from subway.tools.bench.soak import ServeProcess, engine_processes, free_port
+from subway.tools.proc_title import parse as parse_title
 
 PROCS = {"frontend": "frontend", "scheduler": "scheduler", "worker0": "worker 0",
          "worker1": "worker 1"}  # fmt: skip
-CASES = [f"{f}-{p}" for f in ("kill", "stop") for p in PROCS] + ["probe", "probe-junk"]
+ROLES = {"prefill": "prefill engine", "decode": "decode engine"}
+CASES = [f"{f}-{p}" for f in ("kill", "stop") for p in (*PROCS, *ROLES)]
+CASES += ["stop-grammar", "probe", "probe-junk"]
+DISAGG = ["--prefill-engines", "1", "--decode-engines", "1"]
+COMPILE_CPU_S = 0.2  # a new thread of worker 0 with this much CPU is compiling the grammar
 PROMPT = "Write a long story about a subway train that runs all night through the city."
 STOPPED_WORKER_S = 30.0  # under serve's default bound, a stopped worker is detected this soon
 
@@ -61,6 +78,7 @@ class Stream:
     start: float
     end: float = 0.0
     tokens_seen: int = 0  # chunks with text so far
+    first_token: float = 0.0  # when the first chunk with text came
     completion_tokens: int | None = None
     finish_reason: str | None = None
     done: bool = False  # [DONE] arrived
@@ -90,6 +108,10 @@ class Load:
     def flowing(self) -> bool:
         """Every client has a request in flight that has had a token."""
         return all(s and not s[-1].end and s[-1].tokens_seen > 0 for s in self.streams)
+
+    def handing_off(self) -> bool:
+        """Some stream has just had its first token (the prefill engine's) and no second."""
+        return any(s and not s[-1].end and s[-1].tokens_seen == 1 for s in self.streams)
 
     def finish(self, more: int) -> None:
         self._more = more
@@ -144,7 +166,9 @@ class Load:
                         s.completion_tokens = msg["usage"]["completion_tokens"]
                     for c in msg.get("choices") or ():
                         s.finish_reason = c.get("finish_reason") or s.finish_reason
-                        s.tokens_seen += bool(c.get("text"))
+                        if c.get("text"):
+                            s.tokens_seen += 1
+                            s.first_token = s.first_token or time.monotonic()
             if not s.done:
                 s.error = "stream ended without [DONE]"
         except httpx.TimeoutException:
@@ -213,32 +237,140 @@ def run_case(case: str, a: argparse.Namespace) -> Result:
         flags += tcp
     if proc == "worker1":
         flags += ["-tp", "2"]
-    res = Result(case, fault, PROCS.get(proc, "tcp ports"))
+    if proc in ROLES:
+        flags += DISAGG
+    what = "worker 0" if proc == "grammar" else PROCS.get(proc) or ROLES.get(proc, "tcp ports")
+    res = Result(case, fault, what)
     server = ServeProcess(a.model, *flags)
     try:
+        if proc in ROLES and not wait_for(lambda: health_status(server.url)[1] == "ok", a.bound):
+            res.notes.append("the engines were never all ready")
+            return res
         load = Load(server.url, a.clients, a.max_tokens, timeout=a.bound)
         if not wait_for(load.flowing, a.bound):
             res.notes.append("load never flowed")
             return res
         pids = all_pids(server)
         health_log: list[tuple[float, int]] = []
-        t0 = time.monotonic()
+        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        constrained: list[Stream] = []
         if fault == "probe":
+            t0 = time.monotonic()
             inject_probes(ports, junk=proc == "junk")
             load.finish(more=1)
-        else:
-            target = engine_processes(server.proc.pid)[PROCS[proc]]
-            os.kill(target.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        elif proc in ROLES:
+            target = engine_of(server.proc.pid, proc)
+            pids = [p.pid for p in target]
+            if not wait_for(load.handing_off, a.bound, every=0.002):
+                res.notes.append("no handoff seen")
+                return res
+            t0 = time.monotonic()
+            os.kill(next(p for p in target if parse_title(p.cmdline())["kind"] == "worker").pid,
+                    sig)  # fmt: skip
             load.finish(more=0)
-        watch(server, load, t0, a.bound, health_log, res, fault)
-        stopped_worker = fault == "stop" and proc.startswith("worker")
+        elif proc == "grammar":
+            worker = engine_processes(server.proc.pid)["worker 0"]
+            before = thread_cpu(worker)
+            time.sleep(1.0)  # a window in which the threads that serve steps show themselves
+            mid = thread_cpu(worker)
+            idle = {t for t, c in mid.items() if c - before.get(t, 0.0) < 0.01}
+            constrained = send_constrained(server.url, a.bound)
+            if not wait_for(lambda: compiling(worker, mid, idle), a.bound, every=0.01):
+                res.notes.append("worker 0 never compiled")
+                return res
+            t0 = time.monotonic()
+            os.kill(worker.pid, sig)
+            load.finish(more=0)
+        else:
+            t0 = time.monotonic()
+            os.kill(engine_processes(server.proc.pid)[PROCS[proc]].pid, sig)
+            load.finish(more=0)
+        watch(server, load, t0, a.bound, health_log, res, fault, engine=proc in ROLES)
+        stopped_worker = fault == "stop"  # every stop case stops a worker but the frontend's
+        stopped_worker = stopped_worker and proc not in ("frontend", "scheduler")
         within = STOPPED_WORKER_S if stopped_worker and a.step_timeout <= 0 else None
-        judge(server, load, t0, pids, health_log, res, a.bound, detect_within=within)
+        if proc in ROLES:
+            judge_engine(server, load, t0, pids, health_log, res, a, within)
+        else:
+            judge(server, load, t0, pids, health_log, res, a.bound, detect_within=within,
+                  constrained=constrained)  # fmt: skip
         load.join(5)
         return res
     finally:
         if server.proc.poll() is None or alive(all_pids(server)):
             server.kill_all()
+
+
+def engine_of(serve_pid: int, role: str) -> list[psutil.Process]:
+    """The processes (scheduler, workers) of serve's engine with this role."""
+    out = []
+    for c in psutil.Process(serve_pid).children(recursive=False):
+        try:
+            what = parse_title(c.cmdline())
+        except psutil.Error:
+            continue
+        if what.get("role") == role:
+            out.append(c)
+    return out
+
+
+def thread_cpu(p: psutil.Process) -> dict[int, float]:
+    """Each thread's CPU seconds so far."""
+    try:
+        return {t.id: t.user_time + t.system_time for t in p.threads()}
+    except psutil.Error:
+        return {}
+
+
+def compiling(worker: psutil.Process, mid: dict[int, float], idle: set[int]) -> bool:
+    """A thread that was idle while steps ran (`idle`, CPU times `mid`), or is new, has
+    spent COMPILE_CPU_S since: the grammar's compile (xgrammar's own threads or ours)."""
+    return any(
+        (t in idle or t not in mid) and c - mid.get(t, 0.0) >= COMPILE_CPU_S
+        for t, c in thread_cpu(worker).items()
+    )
+
+
+def slow_schema(salt: int) -> dict:
+    """A JSON schema that xgrammar takes seconds to compile (200 patterned strings), new
+    to the server (distinct per `salt`)."""
+    props = {
+        f"p{i}_{salt}": {"type": "string", "pattern": f"[a-z]{{1,5}}[0-9]{{0,{3 + salt}}}"}
+        for i in range(200)
+    }
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def send_constrained(url: str, timeout: float) -> list[Stream]:
+    """One streamed request with a slow schema, in a thread; its Stream in the list."""
+    s = Stream(start=time.monotonic())
+    body = {
+        "prompt": "Give JSON", "max_tokens": 8, "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "slow", "schema": slow_schema(int(time.time()) % 1000)}},
+    }  # fmt: skip
+
+    def run() -> None:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout, connect=5.0)) as c:
+            Load._one(c, body, s)
+        s.end = time.monotonic()
+
+    threading.Thread(target=run, daemon=True).start()
+    return [s]
+
+
+def health_status(url: str) -> tuple[int, str]:
+    """/health's code and its JSON "status" ("" when it has none)."""
+    try:
+        r = httpx.get(url + "/health", timeout=2)
+    except httpx.TimeoutException:
+        return -1, ""
+    except httpx.HTTPError:
+        return 0, ""
+    try:
+        return r.status_code, str(r.json().get("status", ""))
+    except ValueError:
+        return r.status_code, ""
 
 
 def inject_probes(ports: list[int], junk: bool) -> None:
@@ -248,28 +380,39 @@ def inject_probes(ports: list[int], junk: bool) -> None:
                 s.sendall(os.urandom(64))
 
 
-def watch(server, load, t0, bound, health_log, res: Result, fault: str) -> None:
+def watch(server, load, t0, bound, health_log, res: Result, fault: str, engine: bool = False,
+          ) -> None:  # fmt: skip
     """Until serve exits and the clients are done (faults), or the clients are done (probes),
-    or `bound` seconds: log /health and the serve exit."""
+    or the clients are done and /health says "degraded" (an `engine` fault), or `bound`
+    seconds: log /health (a "degraded" answer as 299) and the serve exit."""
     deadline = t0 + bound
     while time.monotonic() < deadline:
-        code = health(server.url) if server.proc.poll() is None else 0
+        code, status = health_status(server.url) if server.proc.poll() is None else (0, "")
+        code = 299 if code == 200 and status == "degraded" else code
         health_log.append((time.monotonic() - t0, code))
         rc = server.proc.poll()
         if rc is not None and res.exit_s is None:
             res.exit_s, res.exit_code = time.monotonic() - t0, rc
         clients_done = not any(t.is_alive() for t in load._threads)
-        if clients_done and (fault == "probe" or rc is not None):
+        if clients_done and (fault == "probe" or rc is not None or (engine and code == 299)):
             return
         time.sleep(0.1)  # polling under a deadline
 
 
 def judge(
     server, load, t0, pids, health_log, res: Result, bound: float,
-    detect_within: float | None = None,
+    detect_within: float | None = None, constrained: list[Stream] | None = None,
 ) -> None:  # fmt: skip
-    """`detect_within`: a fault case fails unless detected within this many seconds."""
+    """`detect_within`: a fault case fails unless detected within this many seconds.
+    `constrained`: streams that must end (an error or not) rather than hang."""
     after = [s for streams in load.streams for s in streams if s.end == 0 or s.end >= t0]
+    for s in constrained or ():
+        wait_for(lambda s=s: s.end > 0, 10)
+        if s.end == 0 or "hung" in s.error:
+            res.notes.append("the constrained request hung")
+            after.append(s)
+        else:
+            res.notes.append(f"constrained: {s.error or s.finish_reason}")
     hung = [s for s in after if s.end == 0 or "hung" in s.error]
     errs = [s for s in after if not s.ok and s not in hung]  # an error, or finish "abort"
     ok = [s for s in after if s.ok]
@@ -342,19 +485,74 @@ def judge(
     server.remove_leftovers()
 
 
+def judge_engine(server, load, t0, pids, health_log, res: Result, a, within) -> None:
+    """An engine's worker failed: the engine reported and gone, serve serving on (a new
+    round of requests all whole), then a clean SIGTERM; `within` as judge's."""
+    after = [s for streams in load.streams for s in streams if s.end == 0 or s.end >= t0]
+    hung = [s for s in after if s.end == 0 or "hung" in s.error]
+    errs = [s for s in after if not s.ok and s not in hung]
+    res.clients = f"{len(after) - len(hung) - len(errs)} ok / {len(errs)} err / {len(hung)} hung"
+    first_err = min((s.end - t0 for s in errs), default=None)
+    first_sign = next((t for t, c in health_log if c != 200), None)
+    signs = [t for t in (first_err, first_sign, res.exit_s) if t is not None]
+    res.detect_s = min(signs) if signs else None
+    res.clients_s = max((s.end - t0 for s in after if s.end), default=None)
+    if errs:
+        res.notes.append("client errors: " + ", ".join(sorted({s.error or str(s.finish_reason)
+                                                               for s in errs})))  # fmt: skip
+    if hung:
+        res.notes.append(f"{len(hung)} client requests hung")
+    gone = wait_for(lambda: not alive(pids), 10)
+    if not gone:
+        res.notes.append(f"the engine's processes left running: {alive(pids)}")
+    alive_then = server.proc.poll() is None
+    fresh_ok = False
+    if alive_then:
+        again = Load(server.url, a.clients, a.max_tokens, timeout=a.bound)
+        again.finish(more=0)
+        again.join(a.bound)
+        fresh = [s for streams in again.streams for s in streams]
+        fresh_ok = bool(fresh) and all(s.ok and s.completion_tokens == a.max_tokens for s in fresh)
+        res.notes.append(f"then {sum(s.ok for s in fresh)}/{len(fresh)} new requests whole")
+    else:
+        res.notes.append(f"serve exited ({server.proc.returncode})")
+    late = within is not None and res.detect_s is not None and res.detect_s > within
+    if late:
+        res.notes.append(f"detected after {res.detect_s:.1f} s, over {within:g} s")
+    t_stop = time.monotonic()
+    rc = server.stop(timeout=a.bound) if alive_then else server.proc.returncode
+    res.exit_code, res.exit_s = rc, None if rc is None else time.monotonic() - t_stop
+    if rc != 0:
+        res.notes.append(f"SIGTERM afterwards: exit {rc}")
+    res.passed = (
+        alive_then and fresh_ok and gone and not hung and res.detect_s is not None
+        and not late and rc == 0
+    )  # fmt: skip
+    forced = server.proc.poll() is None
+    if forced:
+        server.kill_all(clean=False)
+        res.notes.append("serve and its children SIGKILLed by chaos")
+    wait_for(lambda: not server.leftovers(), 5)
+    res.leftovers = server.leftovers()
+    res.passed = res.passed and not res.leftovers
+    if res.leftovers:
+        res.notes.append("left: " + " ".join(os.path.basename(f) for f in res.leftovers))
+    server.remove_leftovers()
+
+
 def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
 def table(results: list[Result]) -> str:
-    head = f"{'case':<15}{'process':<11}{'detect s':>9}{'clients s':>10}{'exit s (code)':>15}  "
+    head = f"{'case':<15}{'process':<15}{'detect s':>9}{'clients s':>10}{'exit s (code)':>15}  "
     head += f"{'clients':<24}"
     lines = [head + f"{'leftovers':<11}result  notes"]
     for r in results:
         ex = f"{fmt(r.exit_s)} ({'-' if r.exit_code is None else r.exit_code})"
         left = str(len(r.leftovers)) if r.leftovers else "none"
         lines.append(
-            f"{r.case:<15}{r.process:<11}{fmt(r.detect_s):>9}{fmt(r.clients_s):>10}{ex:>15}  "
+            f"{r.case:<15}{r.process:<15}{fmt(r.detect_s):>9}{fmt(r.clients_s):>10}{ex:>15}  "
             f"{r.clients:<24}"
             f"{left:<11}{'PASS' if r.passed else 'FAIL':<8}{'; '.join(r.notes)}"
         )
