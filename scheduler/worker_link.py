@@ -49,10 +49,8 @@ every `PEER_CHECK_S`, idle or not) declare a worker that has been stopped by a s
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -73,21 +71,20 @@ from subway.ipc.messages import (
     WorkerError,
     WorkerReady,
 )
-from subway.ipc.peers import Refusals, process_alive, this_host
+from subway.ipc.peers import Refusals, process_alive
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
 from subway.scheduler.slo import StepCost
+from subway.scheduler.work_watch import PEER_CHECK_S, WorkWatch
 
 log = logging.getLogger("subway.scheduler")
 
 LINGER_MS = 1000  # time left to deliver Shutdown on close
-PEER_CHECK_S = 1.0  # how often the workers' pids are checked
 HUNG_MIN_S = 10.0  # the adaptive bound on a step's progress: at least this,
 HUNG_FACTOR = 20.0  # and at least this many times the step's predicted time
 COLD_S = 20.0  # before the cost model is ready: this, plus HUNG_FACTOR x its prior's figure
 COLD_BUSY_S = 300.0  # or this, while the workers show signs of work (`WorkWatch`)
 _PRIOR = StepCost()  # a model that has seen no step: its prior coefficients
-ACTIVE_CPU_S = 0.02  # CPU time a worker uses between two samples to count as working
 
 
 def hung_bound(plan: Plan, cost: StepCost | None, working: bool = False) -> tuple[float, str]:
@@ -132,69 +129,6 @@ def hung_bound(plan: Plan, cost: StepCost | None, working: bool = False) -> tupl
 def cold_bound(tokens: int, decode_kv: int = 0) -> float:
     """The bound on a step of `tokens` tokens before the cost model is ready (`hung_bound`)."""
     return COLD_S + HUNG_FACTOR * _PRIOR.predict(tokens, decode_kv)
-
-
-def work_sign(pid: int) -> tuple[int, str] | None:
-    """(CPU clock ticks used, user and system, all threads; scheduling state) of process
-    `pid`, from /proc; None where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12]), fields[0].decode()
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class WorkWatch:
-    """When the engine's workers last showed a sign of work (`active_at`): CPU time used
-    since the previous sample (at least `ACTIVE_CPU_S`), or a running ("R") or disk-wait
-    ("D") state. Watches only when every worker runs on this host (`watch`), and stops for
-    good if a worker's /proc cannot be read: `pids` empty means no evidence. `cpu`: every
-    worker runs its model on the CPU, so that no sign of work means no work (a CUDA
-    worker may wait for its GPU without using CPU time)."""
-
-    def __init__(self, read: Callable[[int], tuple[int, str] | None] = work_sign) -> None:
-        self.read = read
-        self.pids: list[int] = []
-        self.cpu = False
-        self.active_at = 0.0
-        self.stopped: dict[int, float] = {}  # pid -> since when it has been stopped ("T")
-        self._ticks: dict[int, int] = {}
-        tick_s = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-        self._active_ticks = max(1, round(ACTIVE_CPU_S / tick_s))
-
-    def watch(self, workers: list[WorkerReady]) -> None:
-        here = this_host()
-        local = bool(workers) and all(w.host in ("", here) for w in workers)
-        self.pids = [w.pid for w in workers] if local else []
-        self.cpu = local and all(w.device == "cpu" for w in workers)
-
-    def sample(self, now: float) -> None:
-        for pid in self.pids:
-            sign = self.read(pid)
-            if sign is None:
-                self.pids, self.cpu = [], False
-                return
-            ticks, state = sign
-            if state == "T":
-                self.stopped.setdefault(pid, now)
-            else:
-                self.stopped.pop(pid, None)
-            last = self._ticks.get(pid)
-            if state in ("R", "D") or last is None or ticks - last >= self._active_ticks:
-                self.active_at = now
-            self._ticks[pid] = ticks
-
-    def stopped_for(self, now: float) -> tuple[int, float] | None:
-        """(pid, seconds) of the worker stopped longest (by a signal: state "T"), if any."""
-        if not self.stopped:
-            return None
-        pid, since = min(self.stopped.items(), key=lambda kv: kv[1])
-        return pid, now - since
-
-    def working(self, now: float) -> bool:
-        """A sign of work at one of the last two samples."""
-        return bool(self.pids) and now - self.active_at <= 2 * PEER_CHECK_S
 
 
 class WorkerLink:

@@ -117,3 +117,35 @@ def test_a_slow_grammar_waits_outside_the_batch(server):
     assert out["chunks"] > 300  # (deltas may merge when the client falls behind)
     print("largest gap", out["max_gap"])
     assert out["max_gap"] < 1.0, out
+
+
+def test_many_distinct_slow_grammars_do_not_stall_another_stream(server):
+    """Six distinct slow schemas at once (each seconds to compile, in the frontend's check
+    and then on the worker): each ends alone (200, or a 400 that says why), and another
+    client's stream goes on with no gap above a second."""
+    out: dict = {"flowing": threading.Event()}
+    t = threading.Thread(target=_stream_gaps, args=(server.url, out, 600))
+    t.start()
+    assert out["flowing"].wait(60)
+    codes: list[tuple[int, str]] = []
+
+    def constrained(salt: int) -> None:
+        body = {"model": "tiny", "prompt": "Give JSON", "max_tokens": 3,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "slow", "schema": _slow_schema(10 + salt)}}}  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+        codes.append((r.status_code, r.text[:300]))
+
+    many = [threading.Thread(target=constrained, args=(i,)) for i in range(6)]
+    for c in many:
+        c.start()
+    for c in many:
+        c.join(300)
+    t.join(300)
+    assert len(codes) == 6
+    assert all(code == 200 or (code == 400 and "grammar" in text.lower())
+               for code, text in codes), codes  # fmt: skip
+    print("codes", [c for c, _ in codes], "largest gap", out["max_gap"])
+    assert out["chunks"] > 400
+    assert out["max_gap"] < 1.0, out
+    assert server.proc.poll() is None and server.healthy()
