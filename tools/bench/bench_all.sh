@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure in docs/BENCHMARKS.md's serving sections, in one run on a quiet machine:
+# Every figure in the serving sections of docs/bench/log/2026-12-serving.md, in one run on a quiet machine:
 #   1. the headline comparison (Subway vs static batching vs transformers), one workload;
 #   2. the Subway rows again, for the run-to-run spread;
 #   3. a request-rate sweep of Subway continuous vs Subway static, with plots;
