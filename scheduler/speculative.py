@@ -58,7 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Speculate only while at most this many requests run (vLLM's field; its default is
-    # "always"). Measured (docs/BENCHMARKS.md, "Speculative decoding", the sweep): drafts
+    # "always"). Measured (docs/bench/log/2026-12-speculative-decoding.md, the sweep): drafts
     # at every batch size gave 1.4x at 4 and 8 at once on a repetitive workload, and broke
     # even there at 16.
     disable_by_batch_size: int = 8

@@ -62,7 +62,8 @@ def with_huge_pages(tunables: str) -> str:
     """GLIBC_TUNABLES with glibc's malloc asking for transparent huge pages (glibc 2.35+;
     older ones ignore it), unless the user set that tunable: a worker's weights are read
     whole every step, and with 4 KiB pages each read of a page is a TLB miss
-    (docs/BENCHMARKS.md: the batch-1 step 18.9 -> 16.6 ms)."""
+    (docs/bench/log/2026-12-vs-vllm-avx512-amx.md, "Round 2": the batch-1 step 18.19 ->
+    15.65 ms)."""
     if "glibc.malloc.hugetlb" in tunables:
         return tunables
     return f"{tunables}:glibc.malloc.hugetlb=1" if tunables else "glibc.malloc.hugetlb=1"

@@ -6,7 +6,8 @@ worker gets huge pages for every large allocation from glibc's malloc
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, set by the launcher); in any process the KV
 cache is mapped fresh and advised (`huge_empty`), and the plain weights of the one-row
 linear are copied into one such arena (`rehome`), which the offline `LLM` needs.
-Measured in docs/BENCHMARKS.md ("Huge pages"). Where the kernel's setting is "never",
+Measured in docs/bench/log/2026-12-vs-vllm-avx512-amx.md ("Round 2: attention's
+softmax, huge pages"). Where the kernel's setting is "never",
 all of this is a no-op.
 """
 

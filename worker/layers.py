@@ -40,7 +40,7 @@ def widen_bf16(mode: str) -> bool:
 
     Where oneDNN has no native bfloat16 (no AVX512-BF16 or AMX, as on AMD before Zen 4) it
     widens both operands inside every call, and a decode step of 48 rows runs 3.2x slower
-    than with float32 weights (docs/BENCHMARKS.md, "On a CPU without native bfloat16",
+    than with float32 weights (docs/bench/log/2026-12-vs-vllm-avx2.md, "On a CPU without native bfloat16",
     `profile_step --bf16-matmul`). float32 products of
     bfloat16 values are exact and both accumulate in float32, so the widened matmul differs
     from the native one only in the order of its sums; the output is rounded to bfloat16."""
