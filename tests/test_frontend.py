@@ -10,8 +10,9 @@ Deltas with stats) every 0.3 s unless `paused`, and sends EngineError or
 EngineReady on demand. zmq sockets are not thread-safe: everything that
 touches them runs in the fake's own thread.
 
-The tests share one frontend process and run in file order; the last HTTP
-test stops it.
+The HTTP tests share one frontend process (module scope); each leaves it
+serving and the fake's knobs as it found them, so that they pass in any order.
+The test that stops a frontend starts its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
@@ -269,10 +271,10 @@ def tokenizer(default_model):
     return AutoTokenizer.from_pretrained(default_model)
 
 
-@pytest.fixture(scope="module")
-def frontend(default_model, tokenizer, tmp_path_factory):
-    """`python -m subway.frontend` in a subprocess, with a fake scheduler thread here."""
-    run_dir = tmp_path_factory.mktemp("run")
+@contextlib.contextmanager
+def _live_frontend(default_model: str, tokenizer, run_dir) -> Iterator[Frontend]:
+    """`python -m subway.frontend` in a subprocess, with a fake scheduler thread here;
+    stopped (if it still runs) on leaving."""
     port = _free_port()
     config = EngineConfig.build(
         path=default_model,
@@ -300,7 +302,7 @@ def frontend(default_model, tokenizer, tmp_path_factory):
                     break
                 except httpx.TransportError:
                     assert time.monotonic() < deadline, "the frontend did not come up"
-                    time.sleep(0.2)
+                    time.sleep(0.2)  # a bounded wait for the port to open, as in serving.py
             fake.ready_gate.set()
             assert fake.wait_for(lambda: c.get("/health").status_code == 200, 10)
         yield fe
@@ -312,6 +314,21 @@ def frontend(default_model, tokenizer, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
         fake.stop()
+
+
+@pytest.fixture(scope="module")
+def frontend(default_model, tokenizer, tmp_path_factory):
+    """One live frontend shared by the module's HTTP tests: each leaves it serving, with
+    the fake scheduler's knobs as it found them."""
+    with _live_frontend(default_model, tokenizer, tmp_path_factory.mktemp("run")) as fe:
+        yield fe
+
+
+@pytest.fixture
+def own_frontend(default_model, tokenizer, tmp_path_factory):
+    """A live frontend of the test's own, for a test that stops it."""
+    with _live_frontend(default_model, tokenizer, tmp_path_factory.mktemp("run")) as fe:
+        yield fe
 
 
 def _sse(lines) -> list:
@@ -810,10 +827,21 @@ def test_best_of_runs_more_and_returns_n(frontend):
             assert r.status_code == 400, bad
 
 
-def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
-    """Runs last: it stops the frontend."""
+def test_prompts_travel_through_shm_and_shutdown_cleans_up(own_frontend):
+    """Every kind of prompt reaches the scheduler through the shm ring; SIGTERM cleans up.
+    It stops its frontend: a frontend of its own, not the module's."""
+    frontend = own_frontend
+    tok = frontend.tokenizer
+    with frontend.client() as c:
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hello world"}),
+            ("/v1/completions", {"prompt": [_ids(tok, "one two"), _ids(tok, "three")], "n": 2}),
+            ("/v1/completions", {"prompt": "Streaming is fun", "stream": True}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        ):
+            assert c.post(path, json=body).status_code == 200, (path, body)
     refs = [a.prompt for a in frontend.fake.adds]
-    assert refs and all(r.ids is None and r.offset >= 0 for r in refs)
+    assert len(refs) == 7 and all(r.ids is None and r.offset >= 0 for r in refs)
     prefix = f"subway_{frontend.config.ipc.run_id}"
     assert any(name.startswith(prefix) for name in os.listdir("/dev/shm"))
     # SIGTERM with a stream in flight: the drain times out, the stream is cut and aborted.
@@ -844,13 +872,15 @@ def test_prompts_travel_through_shm_and_shutdown_cleans_up(frontend):
 
 
 async def _ready_client(config: EngineConfig) -> EngineClient:
-    """A started EngineClient, once the fake scheduler has said it is ready (or 4 s)."""
+    """A started EngineClient, once the fake scheduler has said it is ready (within 4 s)."""
     client = EngineClient(config)
     await client.start()
-    for _ in range(200):
-        if client.link.ready:
-            break
-        await asyncio.sleep(0.02)
+    deadline = time.monotonic() + 4.0
+    while not client.link.ready:
+        if time.monotonic() > deadline:
+            await client.aclose()
+            raise AssertionError("the fake scheduler did not say ready within 4 s")
+        await asyncio.sleep(0.02)  # paces the poll; the loop reads the link meanwhile
     return client
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import Server
+from serving import Server, until
 
 MODEL = "tiny"
 
@@ -138,13 +138,12 @@ def test_prefix_cache_counters_and_kv_usage(server):
         for line in lines:
             if line.startswith("data: {"):
                 break
-        seen = 0.0
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline and not seen:
+
+        def holds_blocks() -> bool:
             m = scrape(server)
-            seen = value(m, "kv_cache_usage_perc") * value(m, "num_requests_running")
-            time.sleep(0.05)
-        assert seen > 0
+            return value(m, "kv_cache_usage_perc") * value(m, "num_requests_running") > 0
+
+        until(holds_blocks, 2.0)
     assert _idle_within(server, 1.0)
 
 
@@ -210,21 +209,35 @@ def test_200_streaming_clients_disconnect(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_access_log_line_per_request(server):
-    body = {"model": MODEL, "prompt": "log me", "max_tokens": 3, "ignore_eos": True}
-    rid = httpx.post(server.url + "/v1/completions", json=body).json()["id"]
-    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": 5})
-    assert bad.status_code == 400
-    time.sleep(0.2)  # the line is written when the response ends; give the log a moment
-    lines = [
+def _access_lines(server) -> list[dict]:
+    return [
         json.loads(line.split("subway.access INFO ", 1)[1])
         for line in server.read_output().splitlines()
         if "subway.access INFO " in line
     ]
+
+
+def _bad_completions(lines: list[dict]) -> int:
+    return sum(x["status"] == 400 and x["path"] == "/v1/completions" for x in lines)
+
+
+def test_access_log_line_per_request(server):
+    bad_before = _bad_completions(_access_lines(server))
+    body = {"model": MODEL, "prompt": "log me", "max_tokens": 3, "ignore_eos": True}
+    rid = httpx.post(server.url + "/v1/completions", json=body).json()["id"]
+    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": 5})
+    assert bad.status_code == 400
+    lines: list[dict] = []
+
+    def both_logged() -> bool:  # each line is written once its response has ended
+        lines[:] = _access_lines(server)
+        return any(x.get("id") == rid for x in lines) and _bad_completions(lines) > bad_before
+
+    until(both_logged, 5.0)
     mine = [x for x in lines if x.get("id") == rid]
     assert len(mine) == 1
     [x] = mine
     assert x["status"] == 200 and x["path"] == "/v1/completions"
     assert x["prompt_tokens"] > 0 and x["output_tokens"] == 3
     assert 0 < x["ttft_s"] <= x["latency_s"] and x["finish_reason"] == "length"
-    assert any(x["status"] == 400 and x["path"] == "/v1/completions" for x in lines)
+    assert _bad_completions(lines) == bad_before + 1
