@@ -22,10 +22,12 @@ GROUP_TITLES = {
 }
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per config field, generated from the fields: name, default, type, help."""
+def engine_flags() -> list[tuple[str, list[str], dict]]:
+    """(group title, names, argparse keywords) of every engine flag, one per config field,
+    generated from the fields: name, default, type, help. `add_engine_args` and the
+    README's table (`tools/flags_doc.py`) both read this."""
+    out = []
     for part, cls in config_parts():
-        g = p.add_argument_group(GROUP_TITLES[part])
         for f in dataclasses.fields(cls):
             meta = f.metadata
             flag = meta.get("flag") or "--" + f.name.replace("_", "-")
@@ -38,9 +40,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 kw["type"] = _TYPES[f.type]
                 if "choices" in meta:
                     kw["choices"] = meta["choices"]
-                if kw["help"] is not None and f.default not in ("", None):
-                    kw["help"] += f" (default: {f.default})"
-            g.add_argument(*names, **kw)
+            out.append((GROUP_TITLES[part], names, kw))
+    return out
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for title, names, kw in engine_flags():
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        kw = dict(kw)
+        if "action" not in kw and kw["help"] is not None and kw["default"] not in ("", None):
+            kw["help"] += f" (default: {kw['default']})"
+        groups[title].add_argument(*names, **kw)
     p.add_argument("--config-json", default="", help=argparse.SUPPRESS)
 
 
