@@ -533,7 +533,8 @@ def test_soak_length_check() -> None:
     assert not length_ok(spec, Outcome("ok", "abort", 3))
     free = Spec(chat=True, prompt="x", max_tokens=8, stream=True, ignore_eos=False, sampling={})
     assert length_ok(free, Outcome("ok", "stop", 3))
-    assert not length_ok(free, Outcome("ok", "stop", 8))
+    assert length_ok(free, Outcome("ok", "stop", 8))  # a stop token as the 8th, counted
+    assert not length_ok(free, Outcome("ok", "stop", 9))
 
 
 @pytest.mark.slow

@@ -380,15 +380,17 @@ async def send(client: httpx.AsyncClient, base: str, model: str, spec: Spec) -> 
 
 
 def length_ok(spec: Spec, out: Outcome) -> bool:
-    """A completed request is as long as it says: "length" is exactly max_tokens, "stop" is
-    fewer (and never under ignore_eos); a constrained one may also end with its grammar
-    ("stop", "tool_calls") at max_tokens."""
+    """A completed request is as long as it says: "length" is exactly max_tokens, "stop" at
+    most that (never under ignore_eos): a stop token sampled as the last allowed token
+    ends the request "stop" and is counted, as in vLLM (the 10,000-request soak of
+    issue 43 met one: max_tokens 18, "stop", 18 tokens); a constrained one may also end
+    with its grammar ("stop", "tool_calls")."""
     if spec.constraint and out.finish_reason in ("stop", "tool_calls"):
         return (out.completion_tokens or 0) <= spec.max_tokens
     if out.finish_reason == "length":
         return out.completion_tokens == spec.max_tokens
     if out.finish_reason == "stop":
-        return not spec.ignore_eos and (out.completion_tokens or 0) < spec.max_tokens
+        return not spec.ignore_eos and (out.completion_tokens or 0) <= spec.max_tokens
     return False
 
 
