@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from subway.frontend.admission import Offload, check_job_size
@@ -64,7 +64,7 @@ from subway.frontend.inputs import (
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import AccessRecord, access_record
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from subway.frontend.views import CompletionView, View
+from subway.frontend.views import CompletionView, View, render_json
 from subway.ipc.config import EngineConfig
 
 log = logging.getLogger("subway.frontend")
@@ -186,7 +186,10 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
         return Response(status_code=499)
     except Exception as e:
         raise engine_failure(e) from e
-    return JSONResponse(body.model_dump(), headers=headers)
+    # Rendered on a thread, a choice at a time (`render_json`): an answer may be megabytes
+    # (up to --max-response-bytes), and the event loop serves every other stream meanwhile.
+    content = await asyncio.to_thread(render_json, body)
+    return Response(content, media_type="application/json", headers=headers)
 
 
 async def check_grammars(ctx: ServingContext, job: Job, req: SamplingRequest) -> None:

@@ -349,12 +349,16 @@ async def native_outputs(
 ) -> AsyncIterator[GenerateOutput]:
     """The native endpoint's answer to one request: an output per event, or one at the end."""
     pending = GenerateOutput(request_id, prompt_tokens=prompt_tokens)
+    texts: list[str] = []  # joined at each yield: linear in the output, not quadratic
     async for ev in group.events():
         pending.token_ids += ev.token_ids
-        pending.text += ev.text
+        texts.append(ev.text)
         if ev.logprobs is not None:
-            pending.logprobs = (pending.logprobs or []) + native_logprobs(ev.logprobs)
+            if pending.logprobs is None:
+                pending.logprobs = []
+            pending.logprobs.extend(native_logprobs(ev.logprobs))
         pending.finish_reason = ev.finish_reason
         if stream or ev.finish_reason is not None:
+            pending.text = "".join(texts)
             yield pending
-            pending = GenerateOutput(request_id)
+            pending, texts = GenerateOutput(request_id), []
