@@ -4,8 +4,9 @@ Under `subway serve` a grammar arrives once, in a `GrammarPrepare` (`prepare_key
 and compiles on a thread of its own (xgrammar releases the GIL) while steps run;
 rank 0 answers `GrammarReady` when it is done (`answers`), or as failed once it
 has compiled for longer than the compile limit (`--grammar-timeout`, the
-frontend's too; the compiler's own first build, seconds, does not count, and rank 0
-starts it in the background when the worker starts). The scheduler holds the grammar's requests until then, so a compile never
+frontend's too; the compiler's own first build, seconds, does not count: rank 0 makes
+it at the first grammar, on that compile's thread, not at start, where it took its CPU
+from the first requests' steps). The scheduler holds the grammar's requests until then, so a compile never
 holds up a step; a `NewSeq` names the grammar by its key (`Grammar.key`) and
 gets a matcher of the compiled grammar. At most `_POOL_THREADS` compiles run at
 once; one past its limit is abandoned (its thread cannot be stopped: it ends on
@@ -228,17 +229,6 @@ class Grammars:
             p = self.keyed.pop(key, None)
             if p is not None and not p.answered:
                 self.unanswered -= 1
-
-    def warm_up(self) -> None:
-        """Build the compiler (the tokenizer's vocabulary, seconds) on a thread now, so
-        that the first grammar does not wait for it."""
-        threading.Thread(target=self._warm, name="subway-grammar-warm", daemon=True).start()
-
-    def _warm(self) -> None:
-        try:
-            self.compiler()
-        except Exception as e:  # noqa: BLE001 - the first grammar will say it again
-            print(f"subway worker: cannot build the grammar compiler: {e}", file=sys.stderr)
 
     @property
     def wake_fd(self) -> int:

@@ -6,6 +6,8 @@
 # (default 2) of the headline workload's Subway row (`compare --skip static,hf,cb`,
 # bfloat16), then the scheduler's cost per step, then the offline run profile.
 # Prints every figure; the JSON of each serving run lands in $OUT (default /tmp/subway-ab).
+# BASE_CACHE=DIR runs the base with SUBWAY_CACHE=DIR, so that the two sides do not rebuild
+# each other's kernels in a shared cache.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rev=${1:?usage: tools/bench/ab.sh REV [ROUNDS]}
@@ -19,6 +21,11 @@ trap 'git worktree remove --force "$base/src"; rm -rf "$base"' EXIT
 python -m venv --system-site-packages "$base/venv"
 "$base/venv/bin/pip" install --quiet --no-deps -e "$base/src"
 old="$base/venv/bin/python"
+if [ -n "${BASE_CACHE:-}" ]; then # the base's own cache (its compiled kernels, the default model)
+  printf '#!/bin/sh\nSUBWAY_CACHE=%s exec %s "$@"\n' "$BASE_CACHE" "$old" > "$base/py"
+  chmod +x "$base/py"
+  old="$base/py"
+fi
 # The modules moved in the structure change: use whichever path the commit has.
 mod() { # PYTHON NAME -> its module path
   if "$1" -c "import subway.tools.bench.$2" 2>/dev/null; then echo "subway.tools.bench.$2"
