@@ -471,6 +471,12 @@ def judge(
             res.exit_s is not None and res.exit_code not in (0, None) and not hung
             and res.detect_s is not None and not alive(pids) and not late
         )  # fmt: skip
+    close_out(server, res)
+
+
+def close_out(server, res: Result) -> None:
+    """Kill what still runs (a note says so), then fail the case on anything of the run left
+    in /dev/shm or the run folder, and remove it."""
     forced = server.proc.poll() is None
     if forced:
         server.kill_all(clean=False)
@@ -528,16 +534,7 @@ def judge_engine(server, load, t0, pids, health_log, res: Result, a, within) -> 
         alive_then and fresh_ok and gone and not hung and res.detect_s is not None
         and not late and rc == 0
     )  # fmt: skip
-    forced = server.proc.poll() is None
-    if forced:
-        server.kill_all(clean=False)
-        res.notes.append("serve and its children SIGKILLed by chaos")
-    wait_for(lambda: not server.leftovers(), 5)
-    res.leftovers = server.leftovers()
-    res.passed = res.passed and not res.leftovers
-    if res.leftovers:
-        res.notes.append("left: " + " ".join(os.path.basename(f) for f in res.leftovers))
-    server.remove_leftovers()
+    close_out(server, res)
 
 
 def fmt(x: float | None) -> str:
