@@ -30,7 +30,7 @@ _state: dict[str, object] = {}
 
 
 def _build_dir() -> str:
-    from subway.worker.default_model import cache_root
+    from subway.cache_dir import cache_root
 
     path = os.path.join(cache_root(), "ext")
     os.makedirs(path, exist_ok=True)

@@ -16,6 +16,7 @@ FORBIDDEN = {
     "frontend": ("torch", "subway.scheduler", "subway.worker", "subway.kernels", "subway.tools"),
     "client": ("torch", "subway.frontend", "subway.scheduler", "subway.worker",
                "subway.kernels", "subway.tools", "subway.ipc"),
+    "subway_kernels": ("subway.worker", "subway.scheduler", "subway.frontend", "subway.tools"),
 }  # fmt: skip
 MAX_LINES = 450
 # Benchmarks and device checks are not product modules.

