@@ -216,6 +216,10 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a request of this id is in flight here."""
+        return request_id in self._streams
+
     @property
     def num_waiting(self) -> int:
         return self.waiting_with(0)

@@ -112,7 +112,7 @@ class EngineGroup:
         clients = self.clients
         if len(clients) == 1:
             return clients[0].submit(request_id, prompt_ids, sampling, **options)
-        if any(request_id in c._streams for c in clients):
+        if any(c.in_flight(request_id) for c in clients):
             raise ValueError(f"request id {request_id!r} is already in flight")
         serving = self.serving()
         prefill, decode = self._prefill(serving, True), self._prefill(serving, False)
