@@ -18,7 +18,7 @@ from subway.frontend.inputs import (
     Job,
     Limits,
     Prompt,
-    _check_length,
+    check_prompt_length,
     encode,
     resolve_max_tokens,
     sampling_params,
@@ -86,7 +86,7 @@ def chat_prompt(
         raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
     prompt = Prompt(encode(tokenizer, text, False, "messages"), text)
     if check_length:
-        _check_length(prompt, limits, "messages")
+        check_prompt_length(prompt, limits, "messages")
     return prompt
 
 

@@ -15,11 +15,11 @@ import sys
 import msgspec
 
 from subway.frontend.grammar_pool import (  # the protocol both sides share
-    _HEADER,
-    _PR_SET_PDEATHSIG,
     CTRL_MAX,
+    HEADER,
     MAX_FRAME,
     NICE,
+    PR_SET_PDEATHSIG,
     WORKER_MAX_MEMORY,
     WORKER_MAX_PRIVATE,
     Fork,
@@ -28,8 +28,8 @@ from subway.frontend.grammar_pool import (  # the protocol both sides share
     HostReady,
     Kill,
     Verdict,
-    _encode,
-    _read_frame,
+    encode,
+    read_frame,
 )
 from subway.ipc.messages import Grammar
 
@@ -37,7 +37,7 @@ from subway.ipc.messages import Grammar
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when `parent` exits (or now, if it already has)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
 
@@ -57,10 +57,10 @@ def _host(fd: int) -> None:
     except Exception as e:  # noqa: BLE001 -- any failure means no structured outputs
         from subway.frontend.grammar import clean_message
 
-        ctrl.send(_encode(HostReady(error=clean_message(e))))
+        ctrl.send(encode(HostReady(error=clean_message(e))))
         return
     os.nice(NICE)  # after the start, which a request waits for; the workers inherit it
-    ctrl.send(_encode(HostReady()))
+    ctrl.send(encode(HostReady()))
     workers: set[int] = set()
     try:
         while True:
@@ -72,7 +72,7 @@ def _host(fd: int) -> None:
                 pid = _fork_worker(fds[0], ctrl, info)
                 os.close(fds[0])
                 workers.add(pid)
-                ctrl.send(_encode(Forked(pid)))
+                ctrl.send(encode(Forked(pid)))
             elif isinstance(req, Kill) and req.pid in workers:
                 _kill(req.pid)
                 workers.discard(req.pid)
@@ -143,7 +143,7 @@ def _work(fd: int, info) -> None:
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _cap_memory()
     while True:
-        payload = _read_frame(sock, MAX_FRAME)
+        payload = read_frame(sock, MAX_FRAME)
         if payload is None:
             return
         done = False
@@ -154,8 +154,8 @@ def _work(fd: int, info) -> None:
             error, done = "compiling it needs more memory than this server allows", True
         except Exception as e:  # noqa: BLE001 -- xgrammar raises RuntimeError and others
             error = clean_message(e)
-        reply = _encode(Verdict(error))
-        sock.sendall(_HEADER.pack(len(reply)) + reply)
+        reply = encode(Verdict(error))
+        sock.sendall(HEADER.pack(len(reply)) + reply)
         if done or _private_bytes() > WORKER_MAX_PRIVATE:
             return  # the frontend sees EOF at its next compile and forks a new worker
 

@@ -48,8 +48,8 @@ MAX_FRAME = 4 * MAX_GRAMMAR_CHARS + 4096  # a grammar of MAX_GRAMMAR_CHARS, as U
 MAX_REPLY = 1 << 14  # bytes of a verdict (its message is at most MAX_ERROR_CHARS)
 WORKER_MAX_PRIVATE = 1 << 29  # bytes of private memory a worker may keep after a compile
 WORKER_MAX_MEMORY = 4 << 30  # bytes of address space a worker may add while compiling
-_HEADER = struct.Struct("!I")
-_PR_SET_PDEATHSIG = 1
+HEADER = struct.Struct("!I")
+PR_SET_PDEATHSIG = 1
 
 
 class PoolError(Exception):
@@ -102,7 +102,7 @@ class Verdict(msgspec.Struct, array_like=True):
     error: str | None = None  # xgrammar's message, cleaned; None: it compiled
 
 
-_encode = msgspec.msgpack.encode
+encode = msgspec.msgpack.encode
 
 
 # ---------------------------------------------------------------- the frontend's side
@@ -155,7 +155,7 @@ class GrammarPool:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _shutdown, self._open, [self._proc, ours])
         try:
-            await loop.sock_sendall(ours, _encode(self.init))
+            await loop.sock_sendall(ours, encode(self.init))
             async with asyncio.timeout(timeout):
                 data = await loop.sock_recv(ours, CTRL_MAX)
             if not data:
@@ -188,7 +188,7 @@ class GrammarPool:
         reply = None
         try:
             async with asyncio.timeout_at(deadline):
-                await loop.sock_sendall(worker.sock, _HEADER.pack(len(payload)) + payload)
+                await loop.sock_sendall(worker.sock, HEADER.pack(len(payload)) + payload)
                 reply = await _recv_frame(loop, worker.sock, MAX_REPLY)
         except TimeoutError:
             raise CompileTimeout() from None
@@ -254,7 +254,7 @@ class GrammarPool:
         try:
             if ctrl is None:
                 raise OSError("no host")
-            ctrl.send(_encode(Kill(worker.pid)))
+            ctrl.send(encode(Kill(worker.pid)))
         except OSError as e:
             self._fail(f"the grammar compiler's process is gone ({e})")
             return
@@ -276,7 +276,7 @@ class GrammarPool:
         async with self._ctrl_lock:
             ours, theirs = socket.socketpair()
             try:
-                socket.send_fds(ctrl, [_encode(Fork())], [theirs.fileno()])
+                socket.send_fds(ctrl, [encode(Fork())], [theirs.fileno()])
             except OSError:
                 ours.close()
                 raise
@@ -333,10 +333,10 @@ async def _recv_frame(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, limit: int
 ) -> bytes | None:
     """One frame from a non-blocking socket; None at EOF or past `limit` bytes."""
-    header = await _recv_exact(loop, sock, _HEADER.size)
+    header = await _recv_exact(loop, sock, HEADER.size)
     if header is None:
         return None
-    (size,) = _HEADER.unpack(header)
+    (size,) = HEADER.unpack(header)
     if size > limit:
         return None
     return await _recv_exact(loop, sock, size)
@@ -359,11 +359,11 @@ async def _recv_exact(
 # ---------------------------------------------------------------- the host and its workers
 
 
-def _read_frame(sock: socket.socket, limit: int) -> bytes | None:
-    header = _read_exact(sock, _HEADER.size)
+def read_frame(sock: socket.socket, limit: int) -> bytes | None:
+    header = _read_exact(sock, HEADER.size)
     if header is None:
         return None
-    (size,) = _HEADER.unpack(header)
+    (size,) = HEADER.unpack(header)
     return None if size > limit else _read_exact(sock, size)
 
 

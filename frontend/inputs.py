@@ -208,7 +208,7 @@ def check_token_ids(ids: Sequence[int], limits: Limits, param: str) -> None:
             )
 
 
-def _check_length(prompt: Prompt, limits: Limits, param: str) -> None:
+def check_prompt_length(prompt: Prompt, limits: Limits, param: str) -> None:
     if not prompt.ids:
         raise APIError(400, "the prompt is empty", param)
     if len(prompt.ids) >= limits.max_model_len:
@@ -242,7 +242,7 @@ def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits) -> lis
         else:
             check_token_ids(item, limits, "prompt")
             prompt = Prompt(list(item))
-        _check_length(prompt, limits, "prompt")
+        check_prompt_length(prompt, limits, "prompt")
         prompts.append(prompt)
     return prompts
 

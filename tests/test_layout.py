@@ -107,3 +107,21 @@ def test_no_folder_shadows_an_installed_package():
     shadowed = {f: installed[f] for f in folders if f in installed}
     assert not shadowed, shadowed
     assert "kernels" in installed or "numpy" in installed  # the lookup sees installed packages
+
+
+def test_no_product_module_imports_anothers_private_names():
+    """`from subway.x import _name` couples a module to another's internals: a name used
+    across modules is public (tools/bench and the device checks are not product code)."""
+    private = []
+    for folder in ("scheduler", "ipc", "frontend", "client", "worker", "subway_kernels",
+                   "tools", "subway_pkg"):  # fmt: skip
+        for path in _modules(folder):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(NOT_PRODUCT):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("subway"):
+                    private += [f"{rel}:{node.lineno} {node.module}.{a.name}"
+                                for a in node.names
+                                if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+    assert not private, private
