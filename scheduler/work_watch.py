@@ -47,12 +47,14 @@ class WorkWatch:
         local = bool(workers) and all(w.host in ("", here) for w in workers)
         self.pids = [w.pid for w in workers] if local else []
         self.cpu = local and all(w.device == "cpu" for w in workers)
+        self.stopped.clear()
 
     def sample(self, now: float) -> None:
         for pid in self.pids:
             sign = self.read(pid)
-            if sign is None:
+            if sign is None:  # no evidence from now on, stale or new
                 self.pids, self.cpu = [], False
+                self.stopped.clear()
                 return
             ticks, state = sign
             if state == "T":

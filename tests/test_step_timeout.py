@@ -212,6 +212,11 @@ def test_a_worker_stopped_while_its_engine_is_idle_is_declared_after_ten_seconds
     assert failed is not None and 10.0 <= failed <= 11.5, failed
     assert "stopped" in t.link.failure and "idle" in t.link.failure
     assert f"pid {os.getpid()}" in t.link.failure and "worker 0" in t.link.failure
+    # A stopped worker whose /proc then cannot be read is no evidence any more.
+    t2 = make_link()
+    reads = iter([(5000, "T")] * 3)
+    t2.local_worker(lambda now: next(reads, None))
+    assert t2.failed_at(60) is None
 
 
 def test_workers_elsewhere_give_no_evidence(make_link):
