@@ -182,9 +182,7 @@ class Imports:
             if c.msg.request_id == request_id and not c.queued:
                 c.aborted = c.queued = True
                 n = len(c.ids)
-                self.sched.pending.append(
-                    RequestDelta(request_id, [], "abort", num_prompt_tokens=n)
-                )
+                self.sched.push_delta(RequestDelta(request_id, [], "abort", num_prompt_tokens=n))
                 return True
         return False
 

@@ -43,16 +43,17 @@ blocks are full and never written again, so there is no copy-on-write.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from subway.ipc.config import SchedulerConfig
-from subway.ipc.messages import NewSeq, Plan, SeqStep
+from subway.ipc.messages import NewSeq, SeqStep
+from subway.scheduler.block_manager import BlockManager
+from subway.scheduler.policy import Policy, StepView
 from subway.scheduler.request import NEVER, Request, RequestStatus
-from subway.scheduler.speculative import propose
-
-if TYPE_CHECKING:
-    from subway.scheduler.scheduler import Scheduler
+from subway.scheduler.slo import StepCost
+from subway.scheduler.speculative import SpeculativeConfig, propose
+from subway.scheduler.stats import SchedulerStats
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -61,65 +62,114 @@ _RUNNING = RequestStatus.RUNNING
 _ADMITTED, _SKIPPED, _BLOCKED = 1, 0, -1
 
 
-class Planner:
-    """Makes the plans of one `Scheduler`, whose queues and block manager it changes."""
+class Queues(Protocol):
+    """What the planner reads of the scheduler that owns the queues, and the scheduler's
+    rules it calls while a plan is built (`scheduler.Scheduler` is the one owner)."""
 
-    def __init__(self, sched: Scheduler, config: SchedulerConfig) -> None:
-        self.sched = sched
+    waiting: list[Request]
+    running: list[Request]
+    block_manager: BlockManager
+    policy: Policy
+    stats: SchedulerStats
+    step_cost: StepCost
+    speculative: SpeculativeConfig | None
+    caching: bool
+    num_interactive: int
+
+    @property
+    def num_running(self) -> int: ...
+
+    def clock(self) -> float: ...
+
+    def mark_running(self, req: Request) -> None: ...
+
+    def preempt(self, req: Request) -> None: ...
+
+    def cache_blocks(self, req: Request, upto: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Planned:
+    """One plan's outcome, for the scheduler to apply: the steps and new sequences it
+    sends, the waiting requests it admitted (the first `num_admitted` of the queue, unless
+    `scattered`: then those no longer waiting), and the requests it preempted (to queue
+    again once the plan is built, so that none is re-admitted in it)."""
+
+    steps: list[SeqStep] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    num_admitted: int = 0
+    scattered: bool = False
+    requeue: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    decode_kv: int = 0  # the context the decodes read (for the step cost model)
+    capped: bool = False  # the policy's cap cut a batch chunk
+
+
+class Planner:
+    """Makes the plans of one scheduler: changes the requests it plans and the block
+    manager's tables, and reports the rest (`Planned`) for the scheduler to apply."""
+
+    def __init__(self, queues: Queues, config: SchedulerConfig, max_message_bytes: int) -> None:
+        self.queues = queues
         self.max_num_batched_tokens = max(1, config.max_num_batched_tokens)
         # Every running request gets its decode each step: no more running than the budget.
         self.max_num_seqs = max(1, min(config.max_num_seqs, self.max_num_batched_tokens))
         # Keep a few blocks for running requests to grow into when admitting more.
-        self.watermark_blocks = sched.block_manager.num_blocks // 100
-        # While a plan is built: its steps, requests preempted in it (queued at the end),
-        # and budget given back by requests taken out of it.
-        self._steps: list[SeqStep] = []
-        self._requeue: list[Request] = []
+        self.watermark_blocks = queues.block_manager.num_blocks // 100
+        # While a plan is built: its outcome so far, budget given back by requests taken out
+        # of it, and whether it preempted (admission is then off for the step).
+        self._out = Planned()
         self._released = 0
+        self._preempted = False
         # The policy's cap on a step's tokens once a batch prefill chunk joins it (None: no
-        # cap), whether it cut one in this plan, and the batch chunks given so far.
+        # cap) and the batch chunks given so far.
         self._cap: int | None = None
-        self._capped = False
         self._batch_chunks = 0
         # A plan's NewSeqs stay within half the message limit (the rest is room for the
         # steps): admission stops before a plan would pass it, so no plan is refused.
-        self.max_new_seq_bytes = sched.config.ipc.max_message_bytes // 2
+        self.max_new_seq_bytes = max_message_bytes // 2
         self._new_seq_bytes = 0
 
-    def schedule(self) -> Plan | None:
-        """The next step's plan, or None if nothing can be scheduled now."""
-        t0 = time.perf_counter()
-        sched = self.sched
-        stats = sched.stats
-        step = stats.num_steps_planned
-        running = sched.compact_running()
-        policy = sched.policy
-        waiting = sched.waiting
-        if waiting and policy.dynamic and len(waiting) > 1:
-            policy.refresh(sched.clock())
-            waiting.sort(key=policy.key)
-        policy.begin_step(sched)
+    def plan(self, step: int) -> Planned:
+        """Plan step number `step` over the scheduler's queues (its waiting list sorted in
+        policy order) and its compacted running list."""
+        q = self.queues
+        policy = q.policy
+        policy.begin_step(
+            StepView(
+                q.clock, q.waiting, q.running, q.num_running, q.num_interactive,
+                self.max_num_seqs, self.max_num_batched_tokens, q.step_cost, q.stats,
+            )
+        )  # fmt: skip
+        out = self._out = Planned()
         self._cap = None
-        self._capped = False
         self._batch_chunks = 0
         self._new_seq_bytes = 0
-        bm = sched.block_manager
+        self._preempted = False
+        prefills: list[Request] = []
+        budget = self._decodes(step, self.max_num_batched_tokens, prefills)
+        if budget > 0 and (prefills or q.waiting):
+            self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget, out.decode_kv)
+            budget = self._prefill_and_admit(step, budget, prefills, not self._preempted)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _decodes(self, step: int, budget: int, prefills: list[Request]) -> int:
+        """1. Decodes: one token each, from the token sampled last step (maybe still in
+        flight), and a draft after it where speculation is on (see `speculative.py`).
+        Running requests with more than one token to compute go to `prefills`; returns the
+        budget left."""
+        q = self.queues
+        out = self._out
+        steps = out.steps
+        bm = q.block_manager
         claimed = bm.claimed
         bs = bm.block_size
-        budget = self.max_num_batched_tokens
-        steps: list[SeqStep] = []
-        self._steps = steps
-        new_seqs: list[NewSeq] = []
-        num_preempted_before = len(sched.preempted_ids)
-        prefills: list[Request] = []
-
-        # 1. Decodes: one token each, from the token sampled last step (maybe still in flight),
-        # and a draft after it where speculation is on (see `speculative.py`).
-        spec = sched.speculative
-        spec_on = spec is not None and sched.num_running <= spec.disable_by_batch_size
-        spare = budget - sched.num_running  # budget for drafts once every decode has its token
-        decode_kv = 0  # the context the decodes read (for the step cost model)
-        for req in running:
+        spec = q.speculative
+        spec_on = spec is not None and q.num_running <= spec.disable_by_batch_size
+        spare = budget - q.num_running  # budget for drafts once every decode has its token
+        decode_kv = 0
+        for req in q.running:
             if req.status is not _RUNNING:
                 continue
             inflight = req.num_inflight
@@ -170,51 +220,24 @@ class Planner:
             budget -= n
             if budget <= 0:
                 break
-
-        # 2. Prefill chunks of running requests and admissions, in policy order.
-        if budget > 0 and (prefills or waiting):
-            self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget, decode_kv)
-            budget = self._prefill_and_admit(
-                step, budget, prefills, new_seqs, len(sched.preempted_ids) == num_preempted_before
-            )
-
-        if self._capped:
-            stats.chunk_capped_steps_total += 1
-        if self._requeue:
-            for req in self._requeue:
-                sched.enqueue(req)
-            self._requeue = []
-        self._steps = []
-        if not steps:
-            return None
-        plan = Plan(step, steps, new_seqs, sched.finished_ids, sched.preempted_ids)
-        sched.finished_ids = []
-        sched.preempted_ids = []
-        sched.inflight_steps.append(step)
-        stats.num_steps_planned = step + 1
-        stats.last_batch_size = len(steps)
-        stats.last_num_batched_tokens = self.max_num_batched_tokens - budget
-        stats.last_decode_kv = decode_kv
-        stats.last_schedule_time = time.perf_counter() - t0
-        stats.schedule_time_total += stats.last_schedule_time
-        return plan
+        out.decode_kv = decode_kv
+        return budget
 
     def _prefill_and_admit(
         self,
         step: int,
         budget: int,
         prefills: list[Request],
-        new_seqs: list[NewSeq],
         admitting: bool,
     ) -> int:
         """Give the budget to running prefills and waiting requests, merged in policy order;
         returns the budget left. Admission stops at the first waiting request that cannot
         be admitted, and is off for the step once it had to preempt for blocks."""
-        sched = self.sched
-        key = sched.policy.key
-        bm = sched.block_manager
-        steps = self._steps
-        waiting = sched.waiting
+        q = self.queues
+        key = q.policy.key
+        bm = q.block_manager
+        steps = self._out.steps
+        waiting = q.waiting
         if len(prefills) > 1:
             prefills.sort(key=key)
         nw, npf = len(waiting), len(prefills)
@@ -227,7 +250,7 @@ class Planner:
             if admitting and wi < nw and (pi == npf or key(waiting[wi]) < key(prefills[pi])):
                 req = waiting[wi]
                 wi += 1
-                outcome, budget = self._admit(req, step, budget, new_seqs)
+                outcome, budget = self._admit(req, step, budget)
                 if outcome == _ADMITTED:
                     admitted += 1
                     scattered = passed
@@ -261,7 +284,7 @@ class Planner:
                     fit = bm.max_new_tokens(sid)
                 n = fit if fit < n else n  # a smaller chunk rather than more preemption
             if pos >= req.cache_upto:
-                sched.cache_blocks(req, pos)
+                q.cache_blocks(req, pos)
             sample = n == remaining
             new_blocks = bm.allocate(sid, n)
             req.num_slots += bm.block_size * len(new_blocks)
@@ -271,34 +294,29 @@ class Planner:
                 req.num_inflight += 1
             req.scheduled_step = step
             budget -= n
-        if admitted:
-            if scattered:
-                sched.waiting = [r for r in waiting if r.status is _WAITING]
-            else:
-                del waiting[:admitted]
+        self._out.num_admitted = admitted
+        self._out.scattered = scattered
         return budget
 
-    def _admit(
-        self, req: Request, step: int, budget: int, new_seqs: list[NewSeq]
-    ) -> tuple[int, int]:
+    def _admit(self, req: Request, step: int, budget: int) -> tuple[int, int]:
         """Admit one waiting request with its first chunk: (_ADMITTED, budget left), or
         _SKIPPED (not now, try the next one) or _BLOCKED (stop admitting)."""
-        sched = self.sched
+        q = self.queues
         if req.num_inflight:  # preempted with a token in flight: wait for it
             return _SKIPPED, budget
-        if not sched.policy.can_admit(req):
+        if not q.policy.can_admit(req):
             return _SKIPPED, budget
         if not req.sent and self._new_seq_bytes + req.wire_bytes > self.max_new_seq_bytes:
             return _BLOCKED, budget  # the plan is full: the next one takes it
-        while sched.num_running >= self.max_num_seqs:
+        while q.num_running >= self.max_num_seqs:
             if not self._displace(req, step):
                 return _BLOCKED, budget
             budget += self._take_released()
-        bm = sched.block_manager
+        bm = q.block_manager
         bs = bm.block_size
         total = req.length
         # A request that wants its prompt's logprobs computes the whole prompt.
-        if sched.caching and req.sampling.prompt_logprobs is None:
+        if q.caching and req.sampling.prompt_logprobs is None:
             hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs)
         else:
             hits = []
@@ -310,7 +328,7 @@ class Planner:
                 n = self._capped_chunk(n, budget)
                 if n == 0:  # the step is full for batch work: later keys wait too
                     return _BLOCKED, budget
-            watermark = self.watermark_blocks if sched.num_running else 0
+            watermark = self.watermark_blocks if q.num_running else 0
             if bm.admission_cost(hits, n) + watermark <= bm.num_free_blocks:
                 break
             if not self._displace(req, step):  # no overtaking: the head waits for blocks
@@ -319,38 +337,39 @@ class Planner:
         sid = req.seq_id
         table = bm.allocate_with_prefix(sid, hits, n)
         req.num_slots = bs * len(table)
-        sched.mark_running(req)
+        q.mark_running(req)
         if not req.sent:
-            new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling))
+            self._out.new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling))
             self._new_seq_bytes += req.wire_bytes
             req.sent = True
         sample = n == remaining
-        self._steps.append(SeqStep(sid, cached, n, table, sample))
+        self._out.steps.append(SeqStep(sid, cached, n, table, sample))
         req.num_computed_tokens = cached + n
         if sample:
             req.num_inflight = 1
         req.scheduled_step = step
         req.admitted_step = step
-        stats = sched.stats
-        if sched.caching:
+        stats = q.stats
+        if q.caching:
             req.cache_upto = (len(hits) + 1) * bs
             stats.prefix_queries_total += total
             stats.prefix_hits_total += cached
         if not req.reported:
             req.num_cached_tokens = cached
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = sched.clock()
+                req.first_scheduled_time = q.clock()
         return _ADMITTED, budget - n
 
     def _capped_chunk(self, n: int, budget: int) -> int:
         """A batch chunk of `n` tokens cut to the policy's step cap; the step's first batch
         chunk gets one block at least (batch prompts keep moving), the others may get 0."""
         room = self._cap - (self.max_num_batched_tokens - budget)
-        if room < self.sched.block_manager.block_size and not self._batch_chunks:
-            room = self.sched.block_manager.block_size
+        bs = self.queues.block_manager.block_size
+        if room < bs and not self._batch_chunks:
+            room = bs
         if n > room:
             n = max(room, 0)
-            self._capped = True
+            self._out.capped = True
         if n:
             self._batch_chunks += 1
         return n
@@ -365,13 +384,11 @@ class Planner:
         Victims are running requests not admitted in this step (`req`
         included), chosen by the policy; budget they give back is in `_released`.
         """
-        sched = self.sched
-        bm = sched.block_manager
+        q = self.queues
+        bm = q.block_manager
         while not bm.can_allocate(req.seq_id, n):
-            candidates = [
-                r for r in sched.running if r.status is _RUNNING and r.admitted_step != step
-            ]
-            victim = sched.policy.pick_victim(candidates)
+            candidates = [r for r in q.running if r.status is _RUNNING and r.admitted_step != step]
+            victim = q.policy.pick_victim(candidates)
             self._preempt(victim, step)
             if victim is req:
                 return False
@@ -380,18 +397,18 @@ class Planner:
     def _displace(self, req: Request, step: int) -> bool:
         """Preempt one running request that the policy lets waiting `req` displace; False if
         there is none."""
-        policy = self.sched.policy
+        policy = self.queues.policy
         if not policy.preemptive:
             return False
         may = policy.may_preempt
         candidates = [
             r
-            for r in self.sched.running
+            for r in self.queues.running
             if r.status is _RUNNING and r.admitted_step != step and may(req, r)
         ]
         if not candidates:
             return False
-        stats = self.sched.stats
+        stats = self.queues.stats
         if not policy.must_displace(req):
             stats.slo_waits_total += 1
             return False
@@ -401,7 +418,7 @@ class Planner:
 
     def _preempt(self, req: Request, step: int) -> None:
         if req.scheduled_step == step:  # take it out of the plan being built
-            steps = self._steps
+            steps = self._out.steps
             sid = req.seq_id
             for i in range(len(steps) - 1, -1, -1):
                 st = steps[i]
@@ -414,5 +431,6 @@ class Planner:
                     req.num_draft = 0
                     break
             req.scheduled_step = -1
-        self.sched.preempt(req)
-        self._requeue.append(req)  # queued once the plan is built: not re-admitted in it
+        self.queues.preempt(req)
+        self._preempted = True
+        self._out.requeue.append(req)  # queued once the plan is built: not re-admitted in it

@@ -36,13 +36,29 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from subway.scheduler.request import Request, RequestStatus
+from subway.scheduler.slo import StepCost
+from subway.scheduler.stats import SchedulerStats
 
-if TYPE_CHECKING:
-    from subway.scheduler.scheduler import Scheduler
+
+@dataclass(slots=True)
+class StepView:
+    """What a policy may read of the scheduler while one step's plan is made: given to
+    `begin_step`, valid until the plan is built (the lists are the scheduler's own, read only)."""
+
+    clock: Callable[[], float]
+    waiting: list[Request]  # in policy order
+    running: list[Request]  # may hold requests no longer running (check `status`)
+    num_running: int  # at the start of the step
+    num_interactive: int  # live requests not of the batch class
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    step_cost: StepCost
+    stats: SchedulerStats
 
 
 class Policy:
@@ -66,7 +82,7 @@ class Policy:
         """Whether waiting `req` may preempt running `victim` to be admitted."""
         return False
 
-    def begin_step(self, sched: Scheduler) -> None:
+    def begin_step(self, view: StepView) -> None:
         """Called at the start of each step's plan, before anything is scheduled."""
 
     def must_displace(self, req: Request) -> bool:
@@ -193,7 +209,7 @@ class EDF(Policy):
         self.interactive_ttft_ms = interactive_ttft_ms
         self.batch_ttft_ms = batch_ttft_ms
         self.tpot_s = tpot_ms / 1000.0
-        self._sched: Scheduler | None = None
+        self._view: StepView | None = None
         self._seat_wait: float | None = None  # this step's, computed at first need
 
     def deadline(self, req: Request) -> float:
@@ -205,8 +221,8 @@ class EDF(Policy):
     def key(self, req: Request) -> tuple[float, int]:
         return (self.deadline(req), req.seq_id)
 
-    def begin_step(self, sched: Scheduler) -> None:
-        self._sched = sched
+    def begin_step(self, view: StepView) -> None:
+        self._view = view
         self._seat_wait = None
 
     def may_preempt(self, req: Request, victim: Request) -> bool:
@@ -225,29 +241,29 @@ class EDF(Policy):
     def slack(self, req: Request) -> float:
         """Seconds waiting `req` can still wait for room and meet its deadline (-inf before
         the cost model is ready: act at once)."""
-        sched = self._sched
-        if sched is None or not sched.step_cost.ready:
+        view = self._view
+        if view is None or not view.step_cost.ready:
             return -math.inf
-        cost, stats = sched.step_cost, sched.stats
-        budget = sched.planner.max_num_batched_tokens
+        cost, stats = view.step_cost, view.stats
+        budget = view.max_num_batched_tokens
         step_s = cost.predict(budget)
         # Its prefill in chunks of at most the budget, and the step already in flight.
         own = (-(-(req.length - req.num_computed_tokens) // budget) + 1) * step_s
         if self._seat_wait is None:
             decode_s = cost.predict(stats.last_num_batched_tokens, stats.last_decode_kv)
             left = min(
-                (r.token_limit - r.length - r.num_inflight for r in sched.running
+                (r.token_limit - r.length - r.num_inflight for r in view.running
                  if r.status is RequestStatus.RUNNING),
                 default=0,
             )  # fmt: skip
             self._seat_wait = max(0, left) * decode_s
-        return self.deadline(req) - sched.clock() - own - self._seat_wait
+        return self.deadline(req) - view.clock() - own - self._seat_wait
 
     def batch_chunk_cap(self, decode_tokens: int, decode_kv: int) -> int | None:
-        sched = self._sched
-        if self.tpot_s <= 0.0 or sched is None or not sched.num_interactive:
+        view = self._view
+        if self.tpot_s <= 0.0 or view is None or not view.num_interactive:
             return None
-        cost = sched.step_cost
+        cost = view.step_cost
         if not cost.ready:
             return None
         decode_s = cost.predict(decode_tokens, decode_kv)
@@ -263,11 +279,11 @@ class EDF(Policy):
         - a chat still before its first token: the time to its TTFT deadline;
         - the earliest waiting chat's time to its deadline; and
         - `ARRIVAL_SHARE` of the TTFT SLO, for the chat that arrives while it runs."""
-        sched = self._sched
-        now = sched.clock()
+        view = self._view
+        now = view.clock()
         tpot = self.tpot_s
         bound = self.ARRIVAL_SHARE * self.interactive_ttft_ms / 1000.0
-        for r in sched.running:
+        for r in view.running:
             if r.slo_class == "batch" or r.status is not RequestStatus.RUNNING:
                 continue
             if r.first_token_time is None:
@@ -280,7 +296,7 @@ class EDF(Policy):
                 )
             if allowed < bound:
                 bound = allowed
-        for r in sched.waiting:  # in deadline order: the first chat is the most urgent
+        for r in view.waiting:  # in deadline order: the first chat is the most urgent
             if r.slo_class != "batch":
                 bound = min(bound, self.deadline(r) - now)
                 break
@@ -304,8 +320,8 @@ class Static(Policy):
         self.window_s = window_s
         self._idle_since: float | None = None
 
-    def begin_step(self, sched: Scheduler) -> None:
-        waiting, num_running, max_num_seqs = sched.waiting, sched.num_running, sched.max_num_seqs
+    def begin_step(self, view: StepView) -> None:
+        waiting, num_running, max_num_seqs = view.waiting, view.num_running, view.max_num_seqs
         if num_running or not waiting or (self.members and any(
             s.seq_id in self.members for s in waiting
         )):  # fmt: skip

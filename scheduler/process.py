@@ -13,16 +13,10 @@ plan while fewer than 2 (overlap) or 1 plans are in flight), sends the deltas
 it has, then blocks in poll. Requests that come before the workers are ready
 wait, and are applied when the engine starts.
 
-The frontend is known by the pid and host of its FrontendHello and kept by its
-heartbeat (FrontendAlive): its requests are aborted when that pid has died
-(checked on any disconnect of the request socket, which a port probe can cause
-too) or when it has been silent for `FRONTEND_SILENCE_S` (hung, or on a host
-whose pids we cannot see). Every message is checked (`checks.py`) before use;
-what fails is refused and counted in `ipc_rejected_total`.
-
-SIGTERM drains: the loop serves on until nothing is left to do and the
-frontend has gone (or been quiet for `DRAIN_QUIET_S`), or until
-`shutdown_timeout + DRAIN_GRACE_S`; a second SIGINT stops it at once.
+The frontend's requests are aborted when it is gone (died, or silent: the
+`FrontendWatch` in `liveness.py`); SIGTERM drains (`Drain`, there too). Every
+message is checked (`checks.py`) before use; what fails is refused and counted
+in `ipc_rejected_total`.
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ import zmq
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
-    FRONTEND_HEARTBEAT_S,
     AbortRequest,
     AddRequest,
     Codec,
@@ -55,12 +48,13 @@ from subway.ipc.messages import (
     ToScheduler,
     WorkerReady,
 )
-from subway.ipc.peers import RECHECK_S, Refusals, process_alive, this_host
+from subway.ipc.peers import Refusals, this_host
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.ipc.sockets import Sockets, cleanup_ipc, has_message
 from subway.scheduler.checks import check_add, ids_in_vocab
 from subway.scheduler.engine_core import EngineCore
 from subway.scheduler.handoff import Imports, Leases
+from subway.scheduler.liveness import Drain, FrontendWatch
 from subway.scheduler.policy import make_policy
 from subway.scheduler.scheduler import Scheduler
 from subway.scheduler.worker_link import LINGER_MS, WorkerLink
@@ -70,9 +64,6 @@ log = logging.getLogger("subway.scheduler")
 HEARTBEAT_S = 0.5  # a Deltas with stats at least this often once ready
 LOG_INTERVAL_S = 5.0  # one stats line in the log at most this often, while there is activity
 POLL_MAX_MS = 100  # longest block in poll, so that a signal is seen soon
-FRONTEND_SILENCE_S = 10 * FRONTEND_HEARTBEAT_S  # a frontend this quiet is gone: abort its work
-DRAIN_QUIET_S = 0.5  # after SIGTERM, idle this long with no frontend message: exit
-DRAIN_GRACE_S = 10.0  # after SIGTERM, exit after shutdown_timeout + this at the latest
 # What one more wake of this loop a step costs a CPU worker's step (its threads take every
 # core, so the loop's CPU comes out of theirs): late planning's price (`engine_core.py`).
 CPU_WAKE_COST_S = 0.0003
@@ -115,37 +106,24 @@ class SchedulerLoop:
         self.out: list[RequestDelta] = []  # deltas to send at the end of this turn
         self.last_out_at = 0.0
         self.last_log_at = time.monotonic()
-        self.frontend_peer: tuple[int, str] | None = None  # (pid, host) of its hello
-        self.frontend_seen = 0.0  # time.monotonic() of its last message
-        self.recheck_until = 0.0  # after a disconnect: check the frontend's pid until then
+        self.watch = FrontendWatch()
         self.refusals = Refusals(log, "a frontend")
-        self.stop = False  # stop now
-        self.drain_since: float | None = None  # SIGTERM came: drain, then stop
+        self.drain = Drain(config.server.shutdown_timeout)
         self.exit_code: int | None = None
         self.digests_reset = False  # owe the frontend a full report of the cached digests
         self.imports: Imports | None = None  # a decode engine's KV copies in
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
-        """First signal: drain. A second SIGINT: stop now (a second SIGTERM changes nothing:
-        the launcher and systemd may both send one)."""
-        if self.drain_since is None:
-            self.drain_since = time.monotonic()
-            log.info("draining: serving what is in flight, then exiting")
-        elif signum != signal.SIGTERM:
-            self.stop = True
+        """The signal handler: see `Drain.request`."""
+        self.drain.request(signum)
 
     def _drained(self) -> bool:
         """After SIGTERM: nothing left to do, and no frontend that may still send."""
-        if self.drain_since is None:
-            return False
-        now = time.monotonic()
-        if now - self.drain_since > self.config.server.shutdown_timeout + DRAIN_GRACE_S:
-            log.warning("drain timed out; exiting")
-            return True
         sched = self.sched
-        if sched is not None and (sched.has_work or sched.has_pending_deltas or self.out):
-            return False
-        return self.frontend_peer is None or now - self.frontend_seen > DRAIN_QUIET_S
+        busy = bool(self.out) or (
+            sched is not None and (sched.has_work or sched.has_pending_deltas)
+        )
+        return self.drain.done(busy, self.watch)
 
     # ------------------------------------------------------------ the loop
 
@@ -155,7 +133,7 @@ class SchedulerLoop:
             poller.register(sock, zmq.POLLIN)
         poller.register(self.frontend_monitor, zmq.POLLIN)
         try:
-            while not self.stop and self.exit_code is None and not self._drained():
+            while not self.drain.stop_now and self.exit_code is None and not self._drained():
                 self._drain()
                 if self.exit_code is not None:
                     break
@@ -219,16 +197,9 @@ class SchedulerLoop:
         while has_message(self.frontend_monitor):
             self.frontend_monitor.recv_multipart(zmq.NOBLOCK)
             disconnected = True
-        peer = self.frontend_peer
-        if peer is None:
-            return
-        now = time.monotonic()
-        if disconnected:  # its pid may still read as alive while the process exits
-            self.recheck_until = now + RECHECK_S
-        if now < self.recheck_until and process_alive(*peer) is False:
-            self._on_frontend_gone(f"the frontend (pid {peer[0]}) died")
-        elif now - self.frontend_seen > FRONTEND_SILENCE_S:
-            self._on_frontend_gone(f"the frontend (pid {peer[0]}) is silent")
+        why = self.watch.check(disconnected)
+        if why is not None:
+            self._on_frontend_gone(why)
 
     def _on_frontend_gone(self, why: str) -> None:
         """Nobody will read the frontend's requests: abort them, forget the frontend."""
@@ -240,7 +211,7 @@ class SchedulerLoop:
             for rid in self.imports.requests():
                 self.imports.abort(rid)
         self.early = []
-        self.frontend_peer = None
+        self.watch.forget()
 
     def _flush(self) -> None:
         """Send this turn's deltas with stats, or a heartbeat when it is time."""
@@ -292,11 +263,10 @@ class SchedulerLoop:
         if isinstance(msg, FrontendHello):
             self._on_hello(msg)
             return
-        self.frontend_seen = time.monotonic()
         if isinstance(msg, FrontendAlive):
-            if self.frontend_peer is None:  # back from a silence that cost it its requests
-                self.frontend_peer = (msg.pid, msg.host)
+            self.watch.heartbeat(msg.pid, msg.host)
             return
+        self.watch.heard()
         if self.sched is None:
             self.early.append(msg)
         else:
@@ -304,11 +274,10 @@ class SchedulerLoop:
 
     def _on_hello(self, msg: FrontendHello) -> None:
         """A frontend (re)starts: it is now the one; its prompt buffer replaces the last."""
-        peer = (msg.pid, msg.host)
-        if self.frontend_peer is not None and self.frontend_peer != peer:
-            old = self.frontend_peer[0]
+        old = self.watch.replaced_by(msg.pid, msg.host)
+        if old is not None:
             self._on_frontend_gone(f"a new frontend (pid {msg.pid}) replaced pid {old}")
-        self.frontend_peer, self.frontend_seen = peer, time.monotonic()
+        self.watch.hello(msg.pid, msg.host)
         name = msg.prompt_shm or self.config.ipc.prompt_shm_name
         if name != self.prompt_shm or self.prompt_buf is not None:
             if self.prompt_buf is not None:

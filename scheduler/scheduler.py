@@ -1,10 +1,12 @@
 """The scheduler: requests in, plans out, results in, token deltas out.
 
-Pure Python with no sockets and no torch. `Scheduler` keeps the queues (waiting,
-running), the request tables and the KV block manager, and the few rules that
-both sides of a step share (queueing, finishing, preempting). Making a plan is
-`planner.py`; settling a step's result is `settle.py`; the figures are
-`stats.py`. The step loop that drives all of this, with the executor that runs
+Pure Python with no sockets and no torch. `Scheduler` is the one owner of the queues
+(waiting, running), the request tables, the ids the workers are told next
+plan, the deltas not tied to a step and the KV block manager, with the rules
+that change them (queueing, admitting, finishing, preempting). Making a plan
+is `planner.py`, settling a step's result `settle.py`: each returns its
+outcome (`Planned`, the requests done) and the scheduler applies it. The
+figures are `stats.py`. The step loop that drives all of this, with the executor that runs
 the plans, is `engine_core.py`.
 """
 
@@ -34,7 +36,7 @@ from subway.scheduler.grammars import GrammarTable
 from subway.scheduler.planner import Planner
 from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import Request, RequestStatus
-from subway.scheduler.settle import settle
+from subway.scheduler.settle import fail, settle
 from subway.scheduler.slo import StepCost
 from subway.scheduler.speculative import SpeculativeConfig
 from subway.scheduler.stats import SchedulerStats
@@ -101,7 +103,7 @@ class Scheduler:
         self.pending: list[RequestDelta] = []  # deltas not tied to a step result
         self.deferred: list[tuple[int, RequestDelta]] = []  # (after result of step, delta)
         self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS_KEPT)  # clock() of each add
-        self.planner = Planner(self, config.scheduler)
+        self.planner = Planner(self, config.scheduler, config.ipc.max_message_bytes)
         self.leases = None  # a prefill engine's `handoff.Leases`
         self.grammars = GrammarTable(config.server.grammar_timeout) if grammars_by_key else None
         self._wire = msgspec.msgpack.Encoder()  # sizes NewSeqs (`Request.wire_bytes`)
@@ -295,13 +297,70 @@ class Scheduler:
     # ------------------------------------------------------------ a step
 
     def schedule(self) -> Plan | None:
-        """The next step's plan, or None if nothing can be scheduled now."""
+        """The next step's plan (see `planner.py`), or None if nothing can be scheduled now."""
+        t0 = time.perf_counter()
         self._unplanned = 0
-        return self.planner.schedule()
+        stats = self.stats
+        step = stats.num_steps_planned
+        self.compact_running()
+        waiting, policy = self.waiting, self.policy
+        if policy.dynamic and len(waiting) > 1:
+            policy.refresh(self.clock())
+            waiting.sort(key=policy.key)
+        out = self.planner.plan(step)
+        if out.num_admitted:
+            if out.scattered:
+                self.waiting = [r for r in waiting if r.status is _WAITING]
+            else:
+                del waiting[: out.num_admitted]
+        for req in out.requeue:
+            self.enqueue(req)
+        if out.capped:
+            stats.chunk_capped_steps_total += 1
+        if not out.steps:
+            return None
+        plan = Plan(step, out.steps, out.new_seqs, self.finished_ids, self.preempted_ids)
+        self.finished_ids = []
+        self.preempted_ids = []
+        self.inflight_steps.append(step)
+        stats.num_steps_planned = step + 1
+        stats.last_batch_size = len(out.steps)
+        stats.last_num_batched_tokens = out.num_batched_tokens
+        stats.last_decode_kv = out.decode_kv
+        stats.last_schedule_time = time.perf_counter() - t0
+        stats.schedule_time_total += stats.last_schedule_time
+        return plan
 
     def process_result(self, result: StepResult, tokens: list[int]) -> list[RequestDelta]:
-        """Settle the oldest plan in flight (see `settle.py`); the deltas for the frontend."""
-        return settle(self, result, tokens)
+        """Settle the oldest plan in flight (see `settle.py`) and finish the requests it
+        ended; the deltas for the frontend, the pending ones first."""
+        inflight = self.inflight_steps
+        if not inflight or inflight[0] != result.step:
+            expected = inflight[0] if inflight else None
+            raise ValueError(f"result of step {result.step}, expected {expected}")
+        inflight.popleft()
+        deltas = self.pop_pending_deltas()
+        if result.failed:
+            for req in fail(result.failed, self.by_seq, deltas):
+                self.finish(req)
+            self.stats.num_failed_total += len(result.failed)
+        done = settle(
+            result, tokens, self.by_seq, self.block_manager, self.stats, self.clock, deltas
+        )
+        for req, delta in done:
+            if delta.finish_reason == "length" and req.handoff and self.leases is not None:
+                delta.kv_lease = self.leases.grant(req)  # its blocks outlive it
+            self.finish(req)
+        if self.deferred:
+            step = result.step
+            deltas.extend(d for after, d in self.deferred if after <= step)
+            self.deferred = [item for item in self.deferred if item[0] > step]
+        return deltas
+
+    def push_delta(self, delta: RequestDelta) -> None:
+        """A delta no step result carries (an abort before queueing, say): sent with the
+        next ones."""
+        self.pending.append(delta)
 
     # ------------------------------------------------------------ rules both sides share
 

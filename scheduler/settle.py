@@ -1,43 +1,44 @@
-"""Settling one step's result: append the sampled tokens, finish requests, build the deltas.
+"""Settling one step's result: append the sampled tokens, build the deltas, and report
+the requests that are done (the scheduler finishes them).
 
 Results come in plan order. A token sampled for a request that finished or was
 aborted after the plan was made is dropped here (the planner assumed it would
-continue). An abort's delta waits in `deferred` until the result of the last
-plan that could still read the request's prompt has been settled.
+continue). An abort's delta waits in the scheduler's `deferred` until the result
+of the last plan that could still read the request's prompt has been settled.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from subway.ipc.messages import RequestDelta, StepResult
+from subway.scheduler.block_manager import BlockManager
 from subway.scheduler.request import Request, RequestStatus
+from subway.scheduler.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
 
-if TYPE_CHECKING:
-    from subway.scheduler.scheduler import Scheduler
 
-
-def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[RequestDelta]:
-    """Settle the oldest plan in flight: append its sampled `tokens` (one per
-    `result.seq_ids`, or `result.num_tokens` each after a draft), finish requests, free their blocks; the deltas for the frontend
-    (the scheduler's pending ones first)."""
-    inflight = sched.inflight_steps
-    if not inflight or inflight[0] != result.step:
-        expected = inflight[0] if inflight else None
-        raise ValueError(f"result of step {result.step}, expected {expected}")
-    inflight.popleft()
-    stats = sched.stats
+def settle(
+    result: StepResult,
+    tokens: list[int],
+    requests: dict[int, Request],
+    block_manager: BlockManager,
+    stats: SchedulerStats,
+    clock: Callable[[], float],
+    deltas: list[RequestDelta],
+) -> list[tuple[Request, RequestDelta]]:
+    """Settle one step's result: append its sampled `tokens` (one per `result.seq_ids`, or
+    `result.num_tokens` each after a draft) to the live `requests`, and a delta for each
+    to `deltas`. Returns the requests that reached a stop or their length, with their last
+    delta: the scheduler finishes them (in this order)."""
     stats.last_worker_idle_time = result.idle_time
     stats.num_steps_total += 1
     stats.worker_busy_total += result.forward_time
     stats.worker_idle_total += result.idle_time
-    deltas = sched.pop_pending_deltas()
-    get = sched.by_seq.get
-    if result.failed:
-        _fail(sched, result, deltas)
+    get = requests.get
     append = deltas.append
+    done: list[tuple[Request, RequestDelta]] = []
     extras = result.logprobs is not None or result.prompt_logprobs is not None
     counts = result.num_tokens
     lo = 0  # this sequence's first token in `tokens`
@@ -50,7 +51,7 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
             continue  # finished or aborted after the plan was made
         req.num_inflight -= 1
         if req.num_draft:
-            _settle_draft(sched, req, c - 1)
+            _settle_draft(block_manager, stats, req, c - 1)
         out = req.output_ids
         n = req.length
         limit = req.token_limit
@@ -72,7 +73,7 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         run = tokens[lo : lo + used] if c > 1 else [tokens[lo]]
         first = not req.reported
         if first:
-            req.first_token_time = sched.clock()
+            req.first_token_time = clock()
             delta = _first_delta(req, run, reason)
         else:
             delta = RequestDelta(req.request_id, run, reason)
@@ -81,21 +82,19 @@ def settle(sched: Scheduler, result: StepResult, tokens: list[int]) -> list[Requ
         append(delta)
         lo = hi
         if reason is not None:
-            if reason == "length" and req.handoff and sched.leases is not None:
-                delta.kv_lease = sched.leases.grant(req)  # its blocks outlive it
-            sched.finish(req)
-    if sched.deferred:
-        step = result.step
-        deltas.extend(d for after, d in sched.deferred if after <= step)
-        sched.deferred = [item for item in sched.deferred if item[0] > step]
-    return deltas
+            done.append((req, delta))
+    return done
 
 
-def _fail(sched: Scheduler, result: StepResult, deltas: list[RequestDelta]) -> None:
-    """The worker could not run this step for `result.failed`: end their requests with
-    "error" (the worker has forgotten them; the next plan lists them as finished)."""
-    for sid in result.failed:
-        req = sched.by_seq.get(sid)
+def fail(
+    seq_ids: list[int], requests: dict[int, Request], deltas: list[RequestDelta]
+) -> list[Request]:
+    """The worker could not run a step for `seq_ids`: an "error" delta for each live one,
+    returned for the scheduler to finish (the worker has forgotten them; the next plan
+    lists them as finished)."""
+    failed = []
+    for sid in seq_ids:
+        req = requests.get(sid)
         if req is None:
             continue
         req.num_inflight = 0
@@ -105,17 +104,18 @@ def _fail(sched: Scheduler, result: StepResult, deltas: list[RequestDelta]) -> N
             req.reported = True
             delta.num_prompt_tokens = len(req.prompt_ids)
         deltas.append(delta)
-        sched.finish(req)
-    sched.stats.num_failed_total += len(result.failed)
+        failed.append(req)
+    return failed
 
 
-def _settle_draft(sched: Scheduler, req: Request, accepted: int) -> None:
+def _settle_draft(
+    block_manager: BlockManager, stats: SchedulerStats, req: Request, accepted: int
+) -> None:
     """A step with a draft came back with `accepted` of its tokens: the rest of its slots
     go back (unless it was preempted meanwhile), and the counters count it."""
     if req.status is _RUNNING:
         req.num_computed_tokens -= req.num_draft - accepted
-        sched.block_manager.trim(req.seq_id, req.num_computed_tokens)
-    stats = sched.stats
+        block_manager.trim(req.seq_id, req.num_computed_tokens)
     stats.spec_drafts_total += 1
     stats.spec_draft_tokens_total += req.num_draft
     stats.spec_accepted_tokens_total += accepted

@@ -202,7 +202,10 @@ def test_step_bound_is_the_tightest_chat_deadline():
     """The bound by hand: TPOT 100 ms, TTFT 500 ms, later steps 50 ms, now = 10 s."""
     from types import SimpleNamespace as NS
 
+    from subway.scheduler.policy import StepView
     from subway.scheduler.request import RequestStatus
+    from subway.scheduler.slo import StepCost
+    from subway.scheduler.stats import SchedulerStats
 
     run_ = RequestStatus.RUNNING
     policy = EDF(interactive_ttft_ms=500, tpot_ms=100)
@@ -214,7 +217,11 @@ def test_step_bound_is_the_tightest_chat_deadline():
         return NS(**(base | kw))
 
     def bound(running, waiting=()):
-        policy._sched = NS(clock=lambda: 10.0, running=running, waiting=list(waiting))
+        view = StepView(
+            lambda: 10.0, list(waiting), running, len(running), len(running), 8, 64,
+            StepCost(), SchedulerStats(),
+        )  # fmt: skip
+        policy.begin_step(view)
         return policy.step_bound(0.05)
 
     assert bound([]) == pytest.approx(0.2)  # 0.4 x 500 ms: the next arrival
