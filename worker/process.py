@@ -39,6 +39,7 @@ from subway.ipc.messages import (
     GrammarRelease,
     KvImport,
     KvImported,
+    Plan,
     Shutdown,
     StepResult,
     TokenRef,
@@ -79,7 +80,7 @@ class _Stop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
         if not self.requested:
             self.at = time.monotonic()
         elif signum == signal.SIGTERM:
@@ -98,19 +99,48 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     stop.install()
     if config.parallel.threads > 0:
         torch.set_num_threads(config.parallel.threads)
-    codec_in, codec_out = Codec(ToWorker, config.ipc.max_message_bytes), Codec(FromWorker)
-    ctx = zmq.Context()
-    socks = Sockets(ctx, config.ipc)
-    sub = socks.connect(zmq.SUB, config.ipc.plan_addr)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    push = socks.connect(zmq.PUSH, config.ipc.result_addr)
-    runner: ModelRunner | None = None
-    sampled: TokenBuffer | None = None
-    monitor: zmq.Socket | None = None
-    kv_server: KvServer | None = None
-    fetches: Fetches | None = None
+    loop = WorkerLoop(config, rank, stop)
     try:
-        world = config.parallel.tensor_parallel_size
+        loop.start()
+        return loop.run()
+    except Exception as e:  # noqa: BLE001 - reported to the scheduler, then exit 1
+        loop.report(e)
+        return 1
+    finally:
+        loop.close()
+        stop.restore()
+
+
+class WorkerLoop:
+    """One worker process: its sockets (from __init__), its runner and the rest (`start`),
+    and the loop (`run`) that serves the scheduler's messages; `close` releases them all."""
+
+    def __init__(self, config: EngineConfig, rank: int, stop: _Stop) -> None:
+        self.config = config
+        self.rank = rank
+        self.world = config.parallel.tensor_parallel_size
+        self.stop = stop
+        self.codec_in = Codec(ToWorker, config.ipc.max_message_bytes)
+        self.codec_out = Codec(FromWorker)
+        self.ctx = zmq.Context()
+        self.socks = Sockets(self.ctx, config.ipc)
+        self.sub = self.socks.connect(zmq.SUB, config.ipc.plan_addr)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.push = self.socks.connect(zmq.PUSH, config.ipc.result_addr)
+        self.poller = zmq.Poller()
+        self.runner: ModelRunner | None = None
+        self.sampled: TokenBuffer | None = None  # rank 0, with shared memory: sampled ids
+        self.monitor: zmq.Socket | None = None
+        self.kv_server: KvServer | None = None
+        self.fetches: Fetches | None = None  # imports from other hosts
+        self.importer = Importer(rank)
+        self.rejected = 0  # malformed messages refused
+        self.last_sent = 0.0  # time.perf_counter() of the last StepResult (or WorkerReady)
+
+    def start(self) -> None:
+        """The model (after the process group, with several ranks), then WorkerReady, then
+        what the loop polls."""
+        config, rank, world = self.config, self.rank, self.world
         if world > 1:
             init_distributed(
                 world,
@@ -119,142 +149,170 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 resolve_device(config.model.device, rank),
                 config.parallel.collective_timeout,
             )
-        runner = ModelRunner(config, rank, world)
+        runner = self.runner = ModelRunner(config, rank, world)
         # The model's many long-lived objects leave the collector's passes: in a batch-1 step
         # (`profile_step`, perf) a full pass over them took about 1.4% of the CPU time.
         gc.freeze()
         if rank == 0 and config.ipc.use_shm:
-            sampled = TokenBuffer.create(
+            self.sampled = TokenBuffer.create(
                 config.ipc.sampled_shm_name, config.scheduler.max_num_seqs * SAMPLED_SLOTS
             )
-        push.send(
-            codec_out.encode(
-                WorkerReady(
-                    rank=rank,
-                    pid=os.getpid(),
-                    num_blocks=runner.num_blocks,
-                    max_model_len=runner.max_model_len,
-                    vocab_size=runner.vocab_size,
-                    eos_token_ids=runner.eos_token_ids,
-                    sampled_shm=sampled.name if sampled is not None else None,
-                    host=this_host(),
-                    device=runner.device.type,
-                )
+        self.send(
+            WorkerReady(
+                rank=rank,
+                pid=os.getpid(),
+                num_blocks=runner.num_blocks,
+                max_model_len=runner.max_model_len,
+                vocab_size=runner.vocab_size,
+                eos_token_ids=runner.eos_token_ids,
+                sampled_shm=self.sampled.name if self.sampled is not None else None,
+                host=this_host(),
+                device=runner.device.type,
             )
         )
-        importer = Importer(rank)
-        last_sent = time.perf_counter()
+        self.last_sent = time.perf_counter()
         # The scheduler's death shows as a disconnect at once (the kernel closes its sockets).
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        grammars = runner.grammars  # rank 0 compiles, and answers when each is done
-        if rank == 0:
-            poller.register(grammars.wake_fd, zmq.POLLIN)
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        if rank == 0:  # rank 0 compiles grammars, and answers when each is done
+            self.poller.register(runner.grammars.wake_fd, zmq.POLLIN)
             # The compiler is built at the first grammar, on its compile thread (xgrammar's
             # import and the tokenizer's vocabulary: seconds of CPU, not counted against
             # --grammar-timeout): built here, at start, it took those seconds from the
             # first requests' steps (TTFT p50 +12%, throughput -5% in `compare`).
-        fetches = Fetches(socks, poller, rank, world)  # imports from other hosts
+        self.fetches = Fetches(self.socks, self.poller, rank, world)
         if config.parallel.role == "prefill" and config.ipc.kv_addr:
             stride = max(1, config.parallel.data_parallel_size)
-            kv_server = KvServer(socks, config.ipc.kv_rank_addr(rank, stride), runner.kv_caches)
-            poller.register(kv_server.sock, zmq.POLLIN)
-        grace = config.server.shutdown_timeout + SIGTERM_GRACE_S
-        rejected = 0
+            addr = config.ipc.kv_rank_addr(rank, stride)
+            self.kv_server = KvServer(self.socks, addr, runner.kv_caches)
+            self.poller.register(self.kv_server.sock, zmq.POLLIN)
+
+    def run(self) -> int:
+        """Serve until Shutdown (0), the scheduler's disconnect (0 after a signal, else 1),
+        or a signal's grace runs out (0)."""
+        stop, poller, sub, monitor = self.stop, self.poller, self.sub, self.monitor
+        grace = self.config.server.shutdown_timeout + SIGTERM_GRACE_S
         while not stop.expired(grace):
             events = dict(poller.poll(_POLL_MS))
             if monitor in events:
                 monitor.recv_multipart()
-                print(f"subway worker {rank}: the scheduler disconnected; exiting", file=sys.stderr)
+                print(
+                    f"subway worker {self.rank}: the scheduler disconnected; exiting",
+                    file=sys.stderr,
+                )
                 return 0 if stop.requested else 1
-            if kv_server is not None and kv_server.sock in events:
-                kv_server.serve()
-            for answer in fetches.on_events(events, runner.kv_caches, time.perf_counter()):
-                push.send(codec_out.encode(answer))
-            if rank == 0 and (
-                grammars.unanswered or grammars.wake_fd in events
-            ):  # compiles done, failed or past their limit
-                for answer in grammars.answers():
-                    push.send(codec_out.encode(answer))
+            self._serve_events(events)
             if sub not in events:
                 continue
-            try:
-                msg = codec_in.decode(sub.recv())
-            except msgspec.DecodeError as e:
-                rejected += 1
-                if rejected == 1:  # once: a flood must not flood the log too
-                    print(f"subway worker {rank}: refused a malformed plan: {e}", file=sys.stderr)
-                continue
+            msg = self._receive()
             if isinstance(msg, Shutdown):
                 return 0
-            if isinstance(msg, GrammarPrepare):
-                if rank == 0:
-                    grammars.prepare_key(msg.key, msg.grammar)
-                continue
-            if isinstance(msg, GrammarRelease):
-                if rank == 0:
-                    grammars.release(msg.keys)
-                continue
-            if isinstance(msg, KvImport):  # every rank copies its shard, and says so
-                if is_remote(msg.source):
-                    answer = fetches.start(runner.kv_caches, msg, time.perf_counter())
-                else:
-                    answer = KvImported(msg.import_id, rank, *importer.run(runner.kv_caches, msg))
-                if answer is not None:  # else when its blocks come (or its time runs out)
-                    push.send(codec_out.encode(answer))
-                continue
-            received = time.perf_counter()
-            try:
-                out = runner.execute(msg)
-            except Exception as e:
-                if not recoverable(e, world):
-                    raise
-                traceback.print_exc()
-                failed = runner.drop(msg)
-                out = None
-                error = f"{type(e).__name__}: {e}"
-            done = time.perf_counter()
-            if rank == 0:
-                if out is None:
-                    result = StepResult(msg.step, [], TokenRef(ids=[]), failed=failed, error=error)
-                else:
-                    result = _result(msg.step, out, sampled, config.scheduler.max_num_seqs)
-                result.forward_time = done - received
-                result.idle_time = received - last_sent
-                result.rejected_total = rejected
-                push.send(codec_out.encode(result))
-                last_sent = time.perf_counter()
+            if isinstance(msg, Plan):
+                self._step(msg)
+            elif msg is not None:
+                self._on_message(msg)
         return 0
-    except Exception as e:  # noqa: BLE001 - reported to the scheduler, then exit 1
+
+    def send(self, msg: FromWorker) -> None:
+        self.push.send(self.codec_out.encode(msg))
+
+    def _serve_events(self, events: dict[object, int]) -> None:
+        """The jobs besides plans: KV blocks asked of this prefill worker, remote KV imports'
+        blocks (or time running out), grammar compiles done, failed or past their limit."""
+        runner = self.runner
+        if self.kv_server is not None and self.kv_server.sock in events:
+            self.kv_server.serve()
+        for answer in self.fetches.on_events(events, runner.kv_caches, time.perf_counter()):
+            self.send(answer)
+        grammars = runner.grammars
+        if self.rank == 0 and (grammars.unanswered or grammars.wake_fd in events):
+            for answer in grammars.answers():
+                self.send(answer)
+
+    def _receive(self) -> ToWorker | None:
+        """The scheduler's next message, or None for a malformed one (counted, logged once)."""
+        try:
+            return self.codec_in.decode(self.sub.recv())
+        except msgspec.DecodeError as e:
+            self.rejected += 1
+            if self.rejected == 1:  # once: a flood must not flood the log too
+                print(f"subway worker {self.rank}: refused a malformed plan: {e}", file=sys.stderr)
+            return None
+
+    def _on_message(self, msg: GrammarPrepare | GrammarRelease | KvImport) -> None:
+        """A message other than a plan or Shutdown."""
+        runner = self.runner
+        if isinstance(msg, GrammarPrepare):
+            if self.rank == 0:
+                runner.grammars.prepare_key(msg.key, msg.grammar)
+        elif isinstance(msg, GrammarRelease):
+            if self.rank == 0:
+                runner.grammars.release(msg.keys)
+        elif isinstance(msg, KvImport):  # every rank copies its shard, and says so
+            if is_remote(msg.source):
+                answer = self.fetches.start(runner.kv_caches, msg, time.perf_counter())
+            else:
+                answer = KvImported(
+                    msg.import_id, self.rank, *self.importer.run(runner.kv_caches, msg)
+                )
+            if answer is not None:  # else when its blocks come (or its time runs out)
+                self.send(answer)
+
+    def _step(self, plan: Plan) -> None:
+        """Run a plan; rank 0 sends its StepResult (`failed` set when the step failed)."""
+        received = time.perf_counter()
+        try:
+            out = self.runner.execute(plan)
+        except Exception as e:
+            if not recoverable(e, self.world):
+                raise
+            traceback.print_exc()
+            failed = self.runner.drop(plan)
+            out = None
+            error = f"{type(e).__name__}: {e}"
+        done = time.perf_counter()
+        if self.rank == 0:
+            if out is None:
+                result = StepResult(plan.step, [], TokenRef(ids=[]), failed=failed, error=error)
+            else:
+                result = _result(plan.step, out, self.sampled, self.config.scheduler.max_num_seqs)
+            result.forward_time = done - received
+            result.idle_time = received - self.last_sent
+            result.rejected_total = self.rejected
+            self.send(result)
+            self.last_sent = time.perf_counter()
+
+    def report(self, e: Exception) -> None:
+        """A fatal error: its traceback to this process's log, a WorkerError to the scheduler."""
         traceback.print_exc()  # the whole story stays in this process's log
         message = f"{type(e).__name__}: {e}"
         try:
-            push.send(codec_out.encode(WorkerError(rank=rank, message=message)), zmq.NOBLOCK)
+            self.push.send(
+                self.codec_out.encode(WorkerError(rank=self.rank, message=message)), zmq.NOBLOCK
+            )
         except zmq.ZMQError:
             pass
-        return 1
-    finally:
-        if sampled is not None:
-            sampled.close()
-        if runner is not None:
-            runner.close()
+
+    def close(self) -> None:
+        if self.sampled is not None:
+            self.sampled.close()
+        if self.runner is not None:
+            self.runner.close()
         # A short linger so that a final WorkerError still leaves the process.
-        push.close(linger=1000)
-        if fetches is not None:
-            fetches.close()
-        if kv_server is not None:
-            kv_server.close()
-        if monitor is not None:
-            sub.disable_monitor()
-            monitor.close(linger=0)
-        sub.close()
-        socks.close()
-        ctx.term()
+        self.push.close(linger=1000)
+        if self.fetches is not None:
+            self.fetches.close()
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.monitor is not None:
+            self.sub.disable_monitor()
+            self.monitor.close(linger=0)
+        self.sub.close()
+        self.socks.close()
+        self.ctx.term()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        stop.restore()
 
 
 def recoverable(e: Exception, world: int) -> bool:

@@ -1,4 +1,9 @@
-"""The model runner: a worker's model shard, its KV cache, its copy of every sequence, one step at a time."""
+"""The model runner: a worker's model shard, its KV cache, its copy of every sequence, one step at a time.
+
+A step (`execute`) runs in five stages: apply the plan's bookkeeping, build the batch
+(`batch.py`), the forward pass (a decode step's CUDA graph, or eager), sampling (rank 0,
+broadcast to the others), then commit: verify drafts, append the tokens, advance grammars.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from subway.kernels import cpu_ext
 from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
 from subway.worker import kv_share
+from subway.worker.batch import Batch, PlanError, SeqState, build_batch
 from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.huge_pages import rehome
@@ -25,23 +31,9 @@ from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.quant import int8_ops, unsupported_reason
-from subway.worker.sampler import Sampler, SampleRequest, has_penalties
+from subway.worker.sampler import Sampler, SampleRequest, SamplerOutput, has_penalties
 from subway.worker.smooth import smooth_for_int8
-from subway.worker.speculative import draft_rows, verify
-
-
-class PlanError(ValueError):
-    """A plan this worker cannot run as given (unknown sequence, positions past its tokens
-    or blocks, token ids outside the vocabulary). Found before any collective, on every
-    rank alike, so the step fails for its requests and the worker serves on."""
-
-
-@dataclass
-class SeqState:
-    tokens: list[int]  # prompt, then every token sampled for it
-    prompt_len: int
-    sampling: SamplingParams
-    block_table: list[int] = field(default_factory=list)
+from subway.worker.speculative import verify
 
 
 @dataclass
@@ -85,6 +77,27 @@ def resolve_device(name: str, rank: int) -> torch.device:
     return torch.device(name)
 
 
+def prepare_weights(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
+    """The loaded weights made ready for `device`, before the KV cache is sized: int8 (on
+    the CPU after SmoothQuant's calibration), packed into the CPU kernels' layout, and the
+    weights every small decode step reads whole moved onto huge pages."""
+    reason = unsupported_reason(config, device)
+    if reason is not None:
+        raise ValueError(reason)
+    if config.model.quantization == "int8" and device.type == "cpu":
+        tokenizer = config.model.tokenizer or config.model.path
+        lm_head = smooth_for_int8(model, tokenizer, config.cache.block_size)
+        model.quantize_int8(int8_ops(), lm_head)
+    elif config.model.quantization == "int8":  # a GPU: the lm_head stays as it is
+        model.quantize_int8(None)
+    if device.type == "cpu" and config.model.pack_weights:
+        huge = config.model.huge_pages
+        wide = widen_bf16(config.model.bf16_matmul)
+        model.pack_weights(config.scheduler.max_num_seqs, huge, wide)  # layers.pack_weight
+        if huge:
+            rehome(model.one_row_weights())  # read whole at every small decode step
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
@@ -107,21 +120,7 @@ class ModelRunner:
         self.model = CausalLM(arch, self.tp, self.dtype, self.device, self.max_model_len, kernels)
         load_weights(self.model, self.path)
         self.model.eval()
-        reason = unsupported_reason(config, self.device)
-        if reason is not None:
-            raise ValueError(reason)
-        if config.model.quantization == "int8" and self.device.type == "cpu":
-            tokenizer = config.model.tokenizer or self.path
-            lm_head = smooth_for_int8(self.model, tokenizer, self.block_size)
-            self.model.quantize_int8(int8_ops(), lm_head)
-        elif config.model.quantization == "int8":  # a GPU: the lm_head stays as it is
-            self.model.quantize_int8(None)
-        if self.device.type == "cpu" and config.model.pack_weights:
-            huge = config.model.huge_pages
-            wide = widen_bf16(config.model.bf16_matmul)
-            self.model.pack_weights(config.scheduler.max_num_seqs, huge, wide)  # layers.pack_weight
-            if huge:
-                rehome(self.model.one_row_weights())  # read whole at every small decode step
+        prepare_weights(self.model, config, self.device)
         attn = self.model.layers[0].self_attn.qkv
         self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
         self.num_blocks = self._count_blocks()
@@ -259,6 +258,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> StepOutput:
+        """Run one plan; the sampled tokens are in every rank's copy of their sequences."""
+        steps = self._apply_plan(plan)
+        if not steps:
+            return StepOutput([], [])
+        batch = self._build_batch(plan.step, steps)
+        logits, hidden = self._forward(batch)
+        if not batch.sampling:
+            return StepOutput([], [])
+        out, constrained, tokens = self._sample(plan.step, batch, logits, hidden)
+        return self._commit(batch, out, constrained, tokens)
+
+    def _apply_plan(self, plan: Plan) -> list[SeqStep]:
+        """The plan's bookkeeping (its prompt buffer; finished, preempted and new sequences);
+        the steps to run: the plan's, less those of sequences a failed step dropped."""
         seqs = self.seqs
         if plan.prompt_shm:
             self._use_prompt_buffer(plan.prompt_shm)
@@ -286,134 +299,111 @@ class ModelRunner:
         steps = plan.seqs
         if self.failed:  # steps planned before the scheduler saw the failure
             steps = [s for s in steps if s.seq_id not in self.failed]
-        if not steps:
-            return StepOutput([], [])
+        return steps
 
-        n = len(steps)
-        qlens = np.empty(n, dtype=np.int64)
-        ctx = np.empty(n, dtype=np.int64)
-        input_ids: list[int] = []
-        states: list[SeqState] = []
-        num_blocks = self.num_blocks
-        drafted = False
-        for i, step in enumerate(steps):
-            st = seqs.get(step.seq_id)
-            if st is None:
-                raise PlanError(f"step {plan.step}: unknown seq {step.seq_id}")
-            if step.new_blocks:
-                if min(step.new_blocks) < 0 or max(step.new_blocks) >= num_blocks:
-                    raise PlanError(f"step {plan.step}: a block id outside [0, {num_blocks})")
-                st.block_table.extend(step.new_blocks)
-            end = step.start_pos + step.num_tokens
-            own = end  # positions fed from its own tokens; a draft's come after them
-            if step.draft:
-                self._check_draft(plan.step, step, st)
-                own = end - len(step.draft)
-                drafted = True
-            if (
-                step.start_pos < 0
-                or own <= step.start_pos
-                or own > len(st.tokens)
-                or end > len(st.block_table) * self.block_size
-            ):
-                raise PlanError(
-                    f"step {plan.step}: seq {step.seq_id} asks for positions up to {end} but the "
-                    f"worker has {len(st.tokens)} tokens and {len(st.block_table)} blocks"
-                )
-            input_ids += st.tokens[step.start_pos : own]
-            if step.draft:
-                input_ids += step.draft
-            if step.sample and len(st.tokens) > own:
-                del st.tokens[own:]  # a later token the scheduler discarded; the sample replaces it
-                if grammars.active:
-                    grammars.truncate(step.seq_id, own - st.prompt_len)
-            qlens[i] = step.num_tokens
-            ctx[i] = end
-            states.append(st)
-        tables = np.zeros((n, max(len(st.block_table) for st in states)), dtype=np.int32)
-        for i, st in enumerate(states):
-            tables[i, : len(st.block_table)] = st.block_table
-        sampling = [i for i, step in enumerate(steps) if step.sample]
-        dev = self.device
+    def _build_batch(self, step_no: int, steps: list[SeqStep]) -> Batch:
+        """The steps as a batch; prompt-logprob rows on rank 0, where some prefill asked."""
+        prompt_lps = self.prompt_lps if self.rank == 0 and self.prompt_lps.active else None
+        return build_batch(
+            step_no, steps, self.seqs, self.num_blocks, self.block_size, self.vocab_size,
+            self.grammars, prompt_lps,
+        )  # fmt: skip
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, None) of a decode step's CUDA graph, or eagerly (None, the sampled rows'
+        hidden states), the prompt-logprob rows' logits recorded on the way."""
         graphs = self.graphs
-        plp_idx, plp_slices = None, None  # prompt-logprob rows: rank 0, prefills that asked
-        if self.rank == 0 and self.prompt_lps.active:
-            plp_idx, plp_slices = self.prompt_lps.rows(steps, qlens)
-        sampled_rows = sampling  # attention rows that sample (one per sequence, without drafts)
-        ends = ctx  # per sequence: where its inputs end (`ctx` becomes per attention row)
-        if drafted:  # a draft's positions as one-token rows (same tokens, same order)
-            qlens, ctx, row_of = draft_rows([len(s.draft) for s in steps], qlens, ctx)
-            tables = tables[row_of]
-            sampled_rows = [r for r, i in enumerate(row_of.tolist()) if steps[i].sample]
-        positions, slots = positions_and_slots(qlens, ctx, tables, self.block_size)
+        qlens, ctx, tables = batch.qlens, batch.ctx, batch.tables
         if (
             graphs is not None
-            and not plp_slices
-            and graphs.fits(qlens, len(sampled_rows), tables.shape[1])
+            and not batch.plp_slices
+            and graphs.fits(qlens, len(batch.sampled_rows), tables.shape[1])
         ):
-            logits = graphs.run(input_ids, positions, slots, ctx, tables)  # a decode step
-        else:
-            md = build_metadata(qlens, ctx, tables, slots, self.block_size, self.device)
-            sample_idx = np.cumsum(qlens)[sampled_rows] - 1
-            if plp_slices:
-                sample_idx = np.concatenate([sample_idx, plp_idx])
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.from_numpy(positions).to(dev),
-                md,
-                self.kv_caches,
-                torch.from_numpy(sample_idx).to(dev),
-            )
-            if plp_slices:
-                num_rows = len(sample_idx) - len(plp_idx)
-                extra = self.model.compute_logits(hidden[num_rows:])
-                self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
-                hidden = hidden[:num_rows]
-            if not sampling:
-                return StepOutput([], [])
-            logits = None
+            return graphs.run(batch.input_ids, batch.positions, batch.slots, ctx, tables), None
+        dev = self.device
+        plp_idx, plp_slices = batch.plp_idx, batch.plp_slices
+        md = build_metadata(qlens, ctx, tables, batch.slots, self.block_size, dev)
+        sample_idx = np.cumsum(qlens)[batch.sampled_rows] - 1
+        if plp_slices:
+            sample_idx = np.concatenate([sample_idx, plp_idx])
+        hidden = self.model(
+            torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
+            torch.from_numpy(batch.positions).to(dev),
+            md,
+            self.kv_caches,
+            torch.from_numpy(sample_idx).to(dev),
+        )
+        if plp_slices:
+            num_rows = len(sample_idx) - len(plp_idx)
+            extra = self.model.compute_logits(hidden[num_rows:])
+            seqs = self.seqs
+            self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
+            hidden = hidden[:num_rows]
+        return None, hidden
 
+    def _sample(
+        self,
+        step_no: int,
+        batch: Batch,
+        logits: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+    ) -> tuple[SamplerOutput | None, GrammarStep | None, list[int]]:
+        """The tokens of the sampled rows, in row order: rank 0 samples them (under its
+        grammars' masks) and broadcasts them; the other ranks receive them."""
         out = None
         constrained: GrammarStep | None = None
-        seq_ids = [steps[i].seq_id for i in sampling]
         if self.rank == 0:
-            rows = []
-            for i in sampling:
-                st = states[i]
-                generated = int(ends[i]) - st.prompt_len
-                draft = steps[i].draft
-                if not draft:
-                    rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
-                    continue
-                generated -= len(draft)
-                penalised = has_penalties(st.sampling)
-                for j in range(len(draft) + 1):
-                    seen = st.tokens + draft[:j] if penalised and j else st.tokens
-                    rows.append(SampleRequest(st.sampling, generated + j, seen, st.prompt_len))
+            rows = self._sample_requests(batch)
             if logits is None:
                 logits = self.model.compute_logits(hidden)
-            if grammars.active:  # filled on the host while the device computes the logits
-                row_seqs = (
-                    seq_ids
-                    if not drafted
-                    else [  # each sampled row's sequence
-                        steps[i].seq_id for i in sampling for _ in range(1 + len(steps[i].draft))
-                    ]
-                )
-                constrained = self._grammar_step(row_seqs)
+            if self.grammars.active:  # filled on the host while the device computes the logits
+                constrained = self._grammar_step(batch.row_seq_ids())
             out = self.sampler(logits, rows, constrained.mask if constrained else None)
             token_tensor = out.tokens
         else:
-            token_tensor = torch.empty(len(sampled_rows), dtype=torch.int64, device=dev)
+            token_tensor = torch.empty(
+                len(batch.sampled_rows), dtype=torch.int64, device=self.device
+            )
         tokens = self.tp.broadcast(token_tensor.to(torch.int64)).tolist()
         if self.rank != 0 and tokens and min(tokens) < 0:
-            raise PlanError(f"step {plan.step}: failed on rank 0 (a grammar)")
+            raise PlanError(f"step {step_no}: failed on rank 0 (a grammar)")
+        return out, constrained, tokens
+
+    def _sample_requests(self, batch: Batch) -> list[SampleRequest]:
+        """A SampleRequest per sampled row: a drafted sequence's rows count the draft tokens
+        before them as generated (and, for penalties, as seen)."""
+        steps, states, ends = batch.steps, batch.states, batch.ends
+        rows: list[SampleRequest] = []
+        for i in batch.sampling:
+            st = states[i]
+            generated = int(ends[i]) - st.prompt_len
+            draft = steps[i].draft
+            if not draft:
+                rows.append(SampleRequest(st.sampling, generated, st.tokens, st.prompt_len))
+                continue
+            generated -= len(draft)
+            penalised = has_penalties(st.sampling)
+            for j in range(len(draft) + 1):
+                seen = st.tokens + draft[:j] if penalised and j else st.tokens
+                rows.append(SampleRequest(st.sampling, generated + j, seen, st.prompt_len))
+        return rows
+
+    def _commit(
+        self,
+        batch: Batch,
+        out: SamplerOutput | None,
+        constrained: GrammarStep | None,
+        tokens: list[int],
+    ) -> StepOutput:
+        """Advance the grammars, keep each draft's verified tokens, append the tokens to their
+        sequences (every rank alike), and (rank 0) the logprobs of the tokens kept."""
         if constrained is not None:
             constrained.accept(tokens)  # constrained rows carry no draft: one row each
-
-        result = StepOutput(seq_ids, tokens)
+        sampling, states = batch.sampling, batch.states
+        result = StepOutput(batch.seq_ids, tokens)
         kept = None
-        if drafted:  # every rank alike: the same sampled rows, the same drafts
+        if batch.drafted:  # every rank alike: the same sampled rows, the same drafts
+            steps = batch.steps
             tokens, result.num_tokens, kept = verify(tokens, [steps[i].draft for i in sampling])
             result.tokens = tokens
             at = 0
@@ -434,16 +424,3 @@ class ModelRunner:
             if self.prompt_lps.active:
                 result.prompt_logprobs = self.prompt_lps.emit(result.seq_ids)
         return result
-
-    def _check_draft(self, step_no: int, step: SeqStep, st: SeqState) -> None:
-        """A draft rides only on a sampled decode, after its one token of its own, within
-        the vocabulary, and never for a constrained sequence (on every rank alike)."""
-        d = step.draft
-        if (
-            not step.sample
-            or len(d) != step.num_tokens - 1  # a decode: one token of its own
-            or min(d) < 0
-            or max(d) >= self.vocab_size
-            or st.sampling.grammar is not None
-        ):
-            raise PlanError(f"step {step_no}: seq {step.seq_id} has a draft it cannot verify")
