@@ -27,15 +27,14 @@ scales applied to the scores and the probabilities.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
 from subway.kernels.attention import KV_SCALE_BYTES, AttentionMetadata
+from subway.kernels.triton_attention_launch import choose_splits, launch_paged_attention, pow2
 
-_LOG2E = 1.4426950408889634
+__all__ = ["choose_splits", "paged_attention", "write_kv"]  # choose_splits: imported from here
 
 
 @triton.jit
@@ -54,9 +53,157 @@ def _find_seq(query_start_loc_ptr, program: tl.int32, num_seqs: tl.int32, BLOCK_
 
 
 @triton.jit
+def _query_block(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence `program` serves, its first query token and query count, and which
+    block of `BLOCK_Q` of its query tokens is this program's."""
+    seq = _find_seq(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = program - (q_start // BLOCK_Q + seq)
+    return seq, q_start, q_len, q_block
+
+
+@triton.jit
+def _query_rows(
+    q_block, kv_head, q_len, BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """Each row of the tile: its query token (within the sequence), its query head, and
+    whether it is a real row."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP  # query token within the sequence
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    return tok, head, row_ok
+
+
+@triton.jit
+def _load_queries(q_ptr, row, head, offs_d, mask, stride_qt, stride_qh):
+    """The tile's queries: [BLOCK_M, HEAD_DIM_P]."""
+    return tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+
+
+@triton.jit
+def _key_tiles(first_pos, last_tok, split, num_splits, TILE_N: tl.constexpr):
+    """How many keys the block of queries sees, and which tiles of them are this split's."""
+    kv_len = first_pos + last_tok + 1
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return kv_len, tile_lo, tile_hi
+
+
+@triton.jit
+def _tile_slots(table, t, offs_n, kv_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Key tile `t`: its positions, which of them exist, and their cache blocks and offsets."""
+    kpos = t * TILE_N + offs_n
+    k_ok = kpos < kv_len
+    blk = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    off = kpos % BLOCK_SIZE
+    return kpos, k_ok, blk, off
+
+
+@triton.jit
 def _load_scales(row_ptr, HEAD_DIM: tl.constexpr, ok):
     """The float32 scale after each int8 vector of an 8-bit cache (0 where not `ok`)."""
     return tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+
+
+@triton.jit
+def _load_keys(k_row, offs_d, d_ok, k_ok):
+    """A tile's keys, transposed for the scores' dot: [HEAD_DIM_P, TILE_N]."""
+    return tl.load(k_row[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _load_values(v_row, offs_d, d_ok, k_ok):
+    """A tile's values: [TILE_N, HEAD_DIM_P]."""
+    return tl.load(v_row[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    k_row,
+    k_ok,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
+):
+    """The tile's scores, scaled to log2 units."""
+    if KV_INT8:  # each key's scale on its scores
+        k_scale = _load_scales(k_row, HEAD_DIM, k_ok) * scale_log2
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * k_scale[None, :]
+    else:
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+    return s
+
+
+@triton.jit
+def _causal_mask(s, kpos, q_pos, k_ok):
+    """-inf for a key after its query's position (causal by position) or past the keys."""
+    return tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile's step of the online softmax (base 2): the new running max, the tile's
+    probabilities, the factor that rescales what came before, and the new running sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, p, alpha, l_i
+
+
+@triton.jit
+def _accumulate(
+    acc,
+    alpha,
+    p,
+    v,
+    v_row,
+    k_ok,
+    q,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
+):
+    """The running output, rescaled, plus the tile's probabilities times its values."""
+    if KV_INT8:  # each value's scale on its probabilities
+        pv = (p * _load_scales(v_row, HEAD_DIM, k_ok)[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_normalised(out_ptr, acc, l_i, row, head, offs_d, o_mask, stride_ot, stride_oh):
+    """The output rows: the accumulated values over the softmax's sum, in out's dtype."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=o_mask,
+    )
+
+
+@triton.jit
+def _store_partials(
+    out_ptr, lse_ptr, base, acc, m_i, l_i, offs_d, o_mask, row_ok, HEAD_DIM: tl.constexpr
+):
+    """Unnormalised partials: out [T, H, S, D] and lse [T, H, S, 2], both contiguous."""
+    tl.store(out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_mask)
+    tl.store(lse_ptr + base * 2, m_i, mask=row_ok)
+    tl.store(lse_ptr + base * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -98,35 +245,22 @@ def _paged_attention_kernel(
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = program - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, q_block = _query_block(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
     if q_block * BLOCK_Q >= q_len:
         return
     ctx = tl.load(context_lens_ptr + seq)
     first_pos = ctx - q_len  # position of the sequence's first query token
-
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = q_block * BLOCK_Q + offs_m // GROUP  # query token within the sequence
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    tok, head, row_ok = _query_rows(q_block, kv_head, q_len, BLOCK_Q, GROUP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
     row = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
+    q = _load_queries(
+        q_ptr, row, head, offs_d, row_ok[:, None] & d_ok[None, :], stride_qt, stride_qh
     )
     q_pos = first_pos + tok
     # Keys this block of queries can see: up to its last query's position.
     last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-    kv_len = first_pos + last_tok + 1
-    num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    kv_len, tile_lo, tile_hi = _key_tiles(first_pos, last_tok, split, num_splits, TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -134,50 +268,23 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, TILE_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
-        kpos = t * TILE_N + offs_n
-        k_ok = kpos < kv_len
-        blk = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        off = kpos % BLOCK_SIZE
+        kpos, k_ok, blk, off = _tile_slots(table, t, offs_n, kv_len, BLOCK_SIZE, TILE_N)
         k_row = k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh
-        k = tl.load(
-            k_row[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
-        )  # [HEAD_DIM_P, TILE_N]
-        if KV_INT8:  # each key's scale on its scores
-            k_scale = _load_scales(k_row, HEAD_DIM, k_ok) * scale_log2
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * k_scale[None, :]
-        else:
-            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        k = _load_keys(k_row, offs_d, d_ok, k_ok)
+        s = _scores(q, k, k_row, k_ok, scale_log2, HEAD_DIM, PRECISION, KV_INT8)
+        s = _causal_mask(s, kpos, q_pos, k_ok)
+        m_new, p, alpha, l_i = _online_softmax(s, m_i, l_i)
         v_row = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
-        v = tl.load(
-            v_row[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
-        )  # [TILE_N, HEAD_DIM_P]
-        if KV_INT8:  # each value's scale on its probabilities
-            pv = (p * _load_scales(v_row, HEAD_DIM, k_ok)[None, :]).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = _load_values(v_row, offs_d, d_ok, k_ok)
+        acc = _accumulate(acc, alpha, p, v, v_row, k_ok, q, HEAD_DIM, PRECISION, KV_INT8)
         m_i = m_new
 
     o_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=o_mask,
-        )
+        _store_normalised(out_ptr, acc, l_i, row, head, offs_d, o_mask, stride_ot, stride_oh)
     else:
-        # Unnormalised partials: out [T, H, S, D] and lse [T, H, S, 2], both contiguous.
         base = (row * num_heads + head) * num_splits + split
-        tl.store(out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=o_mask)
-        tl.store(lse_ptr + base * 2, m_i, mask=row_ok)
-        tl.store(lse_ptr + base * 2 + 1, l_i, mask=row_ok)
+        _store_partials(out_ptr, lse_ptr, base, acc, m_i, l_i, offs_d, o_mask, row_ok, HEAD_DIM)
 
 
 @triton.jit
@@ -221,35 +328,6 @@ def _merge_splits_kernel(
     )
 
 
-def _pow2(n: int, at_least: int = 1) -> int:
-    return max(at_least, triton.next_power_of_2(n))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: any small number, so that the split path is testable
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """How many programs share one decode sequence's keys: enough to fill the device, from shapes only.
-
-    `max_context` is a host-side bound (the table width times the block size),
-    never read from the device.
-    """
-    programs = num_seqs * num_kv_heads
-    sms = _num_sms(device)
-    if programs >= sms or max_context < 512:
-        return 1
-    want = min(-(-2 * sms // programs), max_context // 256, 16)
-    return max(1, want)
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -264,90 +342,9 @@ def paged_attention(
     `num_splits` (decode-only batches): None picks from shapes; 1 disables splitting.
     `out`: where to write (q's shape and dtype, last dim contiguous); new by default.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    kv_int8 = k_cache.dtype == torch.int8
-    assert k_cache.shape[-1] == head_dim + KV_SCALE_BYTES * kv_int8
-    group = num_heads // num_kv_heads
-    num_seqs = md.context_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride(-1) == 1
-    if num_tokens == 0:
-        return out
-    if md.all_decode:
-        block_m, tile_n = _pow2(group, 16), 64
-        if num_splits is None:
-            width = md.block_tables.shape[1] * block_size
-            num_splits = choose_splits(num_seqs, num_kv_heads, width, q.device)
-    else:
-        block_m, tile_n, num_splits = _pow2(group, 64), 32, 1
-    block_q = block_m // group
-    head_dim_p = _pow2(head_dim, 16)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    if num_splits > 1:
-        part = torch.empty(
-            num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty(
-            num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device
-        )
-        target, strides = part, (0, 0)  # the split path indexes its scratch itself
-    else:
-        lse = out  # unused
-        target, strides = out, (out.stride(0), out.stride(1))
-    _paged_attention_kernel[grid](
-        target,
-        lse,
-        q,
-        k_cache,
-        v_cache,
-        md.block_tables,
-        md.query_start_loc,
-        md.context_lens,
-        scale * _LOG2E,
-        num_seqs,
-        num_heads,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        strides[0],
-        strides[1],
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        md.block_tables.stride(0),
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=tile_n,
-        SPLIT=num_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_INT8=kv_int8,
-        num_warps=4,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            num_splits,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P=head_dim_p,
-            SPLITS_P=_pow2(num_splits, 2),
-            num_warps=4,
-        )
-    return out
+    # Read from this module at each call: gpu_check records launches by swapping them.
+    kernels = (_paged_attention_kernel, _merge_splits_kernel)
+    return launch_paged_attention(kernels, q, k_cache, v_cache, md, scale, num_splits, out)
 
 
 @triton.jit
@@ -442,8 +439,8 @@ def write_kv(
         v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        HEADS_P=_pow2(num_kv_heads),
-        HEAD_DIM_P=_pow2(head_dim),
+        HEADS_P=pow2(num_kv_heads),
+        HEAD_DIM_P=pow2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         KV_INT8=kv_int8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
