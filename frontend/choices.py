@@ -146,10 +146,6 @@ async def run_choice(
     `deadline` (loop time): past it, the choice ends with finish_reason "abort".
     The caller closes `stream` (which aborts the engine request if it still runs).
     """
-    arrival = stream.submitted_at
-    last_token_at: float | None = None
-    observed = False
-    num_tokens = 0
     detok = Detokenizer(
         tokenizer,
         spec.prompt_ids,
@@ -158,87 +154,136 @@ async def run_choice(
         include_stop=spec.include_stop_str_in_output,
         min_tokens=spec.sampling.min_tokens,
     )
-
-    def observe_tokens(n: int, delta: RequestDelta) -> None:
-        nonlocal last_token_at, num_tokens
-        num_tokens += n
-        if metrics is None or n == 0:
-            return
-        now = time.time()
-        for _ in range(n):
-            if last_token_at is None:
-                queue_time = delta.queue_time
-                if queue_time is None:  # the scheduler did not say: the first step's time out
-                    queue_time = (now - arrival) - (step_time() if step_time else 0.0)
-                metrics.observe_first_token(now - arrival, queue_time)
-            else:
-                metrics.observe_inter_token(now - last_token_at)
-            last_token_at = now
-
-    def finish(reason: str) -> None:
-        nonlocal observed
-        if metrics is not None and not observed:
-            observed = True
-            metrics.observe_finish(len(spec.prompt_ids), num_tokens, time.time() - arrival, reason)
-
+    timing = ChoiceTiming(metrics, stream.submitted_at, len(spec.prompt_ids), step_time)
     first = True
     try:
         while True:
             try:
-                if deadline is None:
-                    delta = await anext(stream)
-                else:
-                    async with asyncio.timeout_at(deadline):
-                        delta = await anext(stream)
+                delta = await _next_delta(stream, spec, deadline)
             except TimeoutError:
                 last = detok.finish()
-                finish("abort")
+                timing.finish("abort")
                 yield ChoiceEvent(spec.index, last.text, finish_reason="abort")
                 return
-            except StopAsyncIteration:
-                raise EngineDeadError(
-                    f"request {spec.request_id} ended without a finish reason"
-                ) from None
-            if delta.finish_reason == "error":
-                if delta.error:  # the request's own doing (its grammar): a client error
-                    raise APIError(400, f"the output constraint cannot be used: {delta.error}")
-                raise GenerationError(f"the engine failed request {spec.request_id}")
-            ids = delta.token_ids
-            # A token-id stop (EOS, stop_token_ids) counts as output but shows no text,
-            # unless include_stop_str_in_output (as vLLM: then it is decoded as any token).
-            stop_token = (
-                delta.finish_reason == "stop"
-                and len(ids) > 0
-                and not spec.include_stop_str_in_output
-            )
-            step = detok.add(ids[:-1] if stop_token else ids)
-            used = step.num_tokens if step.stopped else len(ids)
-            event = ChoiceEvent(
-                spec.index, step.text, list(ids[:used]), token_logprobs(delta, used)
-            )
-            if first:
-                first = False
-                event.prompt_logprobs = prompt_token_logprobs(
-                    spec.prompt_ids, delta.prompt_logprobs
-                )
-                if spec.sampling.prompt_logprobs is not None and event.prompt_logprobs is None:
-                    event.prompt_logprobs = prompt_token_logprobs(
-                        spec.prompt_ids, PromptLogprobs([math.nan] * (len(spec.prompt_ids) - 1))
-                    )
-            observe_tokens(used, delta)
-            if step.stopped:
-                event.finish_reason = "stop"
-            elif delta.finish_reason is not None:
-                last = detok.finish()
-                event.text += last.text
-                event.finish_reason = "stop" if last.stopped else delta.finish_reason
+            event, stopped = _delta_event(delta, detok, spec, first)
+            first = False
+            timing.observe_tokens(len(event.token_ids), delta)
+            _set_finish_reason(event, delta, detok, stopped)
             if event.finish_reason is not None:
-                finish(event.finish_reason)
+                timing.finish(event.finish_reason)
             yield event
             if event.finish_reason is not None:
                 return
     finally:
-        finish("abort")  # a no-op if the choice finished; else it was cut (disconnect, error)
+        timing.finish(
+            "abort"
+        )  # a no-op if the choice finished; else it was cut (disconnect, error)
+
+
+class ChoiceTiming:
+    """One choice's metrics: time to first token and inter-token latency as tokens arrive,
+    end-to-end latency and finish reason once, when it ends (however it ends)."""
+
+    def __init__(
+        self,
+        metrics: Metrics | None,
+        arrival: float,
+        prompt_len: int,
+        step_time: Callable[[], float] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.prompt_len = prompt_len
+        self.step_time = step_time
+        self.last_token_at: float | None = None
+        self.num_tokens = 0
+        self.finished = False
+
+    def observe_tokens(self, n: int, delta: RequestDelta) -> None:
+        self.num_tokens += n
+        if self.metrics is None or n == 0:
+            return
+        now = time.time()
+        for _ in range(n):
+            if self.last_token_at is None:
+                queue_time = delta.queue_time
+                if queue_time is None:  # the scheduler did not say: the first step's time out
+                    step = self.step_time() if self.step_time else 0.0
+                    queue_time = (now - self.arrival) - step
+                self.metrics.observe_first_token(now - self.arrival, queue_time)
+            else:
+                self.metrics.observe_inter_token(now - self.last_token_at)
+            self.last_token_at = now
+
+    def finish(self, reason: str) -> None:
+        """Observes the end once; later calls do nothing."""
+        if self.metrics is not None and not self.finished:
+            self.finished = True
+            latency = time.time() - self.arrival
+            self.metrics.observe_finish(self.prompt_len, self.num_tokens, latency, reason)
+
+
+async def _next_delta(
+    stream: RequestStream, spec: ChoiceSpec, deadline: float | None
+) -> RequestDelta:
+    """The stream's next delta; TimeoutError past `deadline`. A stream that ends without a
+    finish reason is a dead engine; a delta that finishes with "error" is the request's
+    own fault (400, its grammar) or the engine's (GenerationError)."""
+    try:
+        if deadline is None:
+            delta = await anext(stream)
+        else:
+            async with asyncio.timeout_at(deadline):
+                delta = await anext(stream)
+    except StopAsyncIteration:
+        raise EngineDeadError(f"request {spec.request_id} ended without a finish reason") from None
+    if delta.finish_reason == "error":
+        if delta.error:  # the request's own doing (its grammar): a client error
+            raise APIError(400, f"the output constraint cannot be used: {delta.error}")
+        raise GenerationError(f"the engine failed request {spec.request_id}")
+    return delta
+
+
+def _delta_event(
+    delta: RequestDelta, detok: Detokenizer, spec: ChoiceSpec, first: bool
+) -> tuple[ChoiceEvent, bool]:
+    """The event of one delta's tokens, up to a stop string, and whether one stopped it.
+    The first event also carries the prompt's logprobs where they were asked."""
+    ids = delta.token_ids
+    # A token-id stop (EOS, stop_token_ids) counts as output but shows no text,
+    # unless include_stop_str_in_output (as vLLM: then it is decoded as any token).
+    stop_token = (
+        delta.finish_reason == "stop" and len(ids) > 0 and not spec.include_stop_str_in_output
+    )
+    step = detok.add(ids[:-1] if stop_token else ids)
+    used = step.num_tokens if step.stopped else len(ids)
+    event = ChoiceEvent(spec.index, step.text, list(ids[:used]), token_logprobs(delta, used))
+    if first:
+        event.prompt_logprobs = _prompt_logprobs(spec, delta)
+    return event, step.stopped
+
+
+def _prompt_logprobs(spec: ChoiceSpec, delta: RequestDelta) -> list[TokenLogprob] | None:
+    """The prompt's logprobs from the first delta; NaNs where they were asked but the
+    engine sent none."""
+    found = prompt_token_logprobs(spec.prompt_ids, delta.prompt_logprobs)
+    if spec.sampling.prompt_logprobs is not None and found is None:
+        nan = PromptLogprobs([math.nan] * (len(spec.prompt_ids) - 1))
+        return prompt_token_logprobs(spec.prompt_ids, nan)
+    return found
+
+
+def _set_finish_reason(
+    event: ChoiceEvent, delta: RequestDelta, detok: Detokenizer, stopped: bool
+) -> None:
+    """ "stop" on a stop string; at the engine's finish, the text the detokenizer held back
+    joins the event, and its reason stands unless that text ends on a stop string."""
+    if stopped:
+        event.finish_reason = "stop"
+    elif delta.finish_reason is not None:
+        last = detok.finish()
+        event.text += last.text
+        event.finish_reason = "stop" if last.stopped else delta.finish_reason
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,7 +1,7 @@
 """The launcher's private line to the frontend: is its event loop alive, can it serve.
 
 `subway serve` stops everything when its engine has been unable to serve for a while
-(`tools/launch.py`, `HealthWatch`). Asked over the public HTTP port, that question
+(`tools/health_watch.py`, `HealthWatch`). Asked over the public HTTP port, that question
 shares what any client can use up: the connection cap (`--max-connections`: past it a
 connection gets a canned 503 before anything is parsed) and the process's file
 descriptors (past RLIMIT_NOFILE, accept fails and the probe gets no answer). A client

@@ -7,9 +7,9 @@ event loop. `GuardMiddleware` wraps it all (API key, size limits, body timeout,
 access log); below it, uvicorn speaks HTTP through `http_limits.guarded_h11`
 (header timeout, connection limit). `run_frontend` is the process main.
 
-Routes: `/v1/completions` and `/v1/chat/completions` (added by
-`pipeline.add_generation_routes`), `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
-`/health`, `/metrics`.
+Routes, added by group: `/health`, `/metrics`, `/version` and `/v1/models`
+(`add_status_routes`), `/v1/completions` and `/v1/chat/completions`
+(`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`).
 
 `/tokenize` and `/detokenize` do on the event loop only what does not grow with
 the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,7 +38,7 @@ from subway import __version__
 from subway.frontend.chat import chat_prompt
 from subway.frontend.detokenizer import decode_long
 from subway.frontend.engine_client import EngineClient
-from subway.frontend.engine_group import EngineGroup
+from subway.frontend.engine_group import EngineGroup, GroupLink
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
 from subway.frontend.inputs import Limits, check_model, check_token_ids, encode, parse
@@ -58,6 +60,7 @@ from subway.frontend.responses import (
     VersionResponse,
     render_fields,
 )
+from subway.frontend.scheduler_link import SchedulerLink
 from subway.frontend.zmq_endpoint import ClientEndpoint
 from subway.ipc.config import EngineConfig
 
@@ -108,6 +111,7 @@ def build_app(
     group = engine if isinstance(engine, EngineGroup) else None
     metrics = Metrics(
         config.model.served_model_name,
+        # Read at each scrape: `endpoint` is made below, from the context that holds `metrics`.
         lambda: engine.link.num_rejected + (endpoint.rejected if endpoint is not None else 0),
         roles=group.roles if group is not None else None,
     )
@@ -118,8 +122,31 @@ def build_app(
     address = config.client_address
     endpoint = ClientEndpoint(ctx, address) if address else None
 
+    app = FastAPI(
+        title="Subway", lifespan=_lifespan(engine, endpoint), docs_url=None, redoc_url=None
+    )
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=config.server.api_key,
+        max_body_bytes=max_body_bytes,
+        max_header_bytes=max_header_bytes,
+        body_timeout=config.server.body_timeout,
+    )
+    add_error_handlers(app)
+    add_status_routes(app, config, engine, metrics)
+    add_generation_routes(app, ctx)
+    add_token_routes(app, ctx)
+    return app
+
+
+def _lifespan(
+    engine: EngineClient | EngineGroup, endpoint: ClientEndpoint | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine's client (then the native ZMQ endpoint) start and
+    close on the server's event loop, where their sockets must live."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         try:
             if endpoint is not None:
@@ -130,50 +157,47 @@ def build_app(
                 await endpoint.aclose()
             await engine.aclose()
 
-    app = FastAPI(title="Subway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(
-        GuardMiddleware,
-        api_key=config.server.api_key,
-        max_body_bytes=max_body_bytes,
-        max_header_bytes=max_header_bytes,
-        body_timeout=config.server.body_timeout,
-    )
+    return lifespan
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return APIError(400, str(e)).response()
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style error body (`APIError.response`)."""
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_unexpected)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(e).__name__}").response()
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return APIError(400, str(e)).response()
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return APIError(e.status_code, str(e.detail)).response()
+
+
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    return APIError(500, f"internal error: {type(e).__name__}").response()
+
+
+def add_status_routes(
+    app: FastAPI, config: EngineConfig, engine: EngineClient | EngineGroup, metrics: Metrics
+) -> None:
+    """`/health`, `/metrics`, `/version` and `/v1/models`."""
+    group = engine if isinstance(engine, EngineGroup) else None
 
     @app.get("/health")
     async def health() -> Response:
-        link = engine.link
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if group is not None and len(group.clients) > 1:
-            serving, states = group.health()
-            if serving:
-                whole = all(s["state"] == "serving" for s in states)
-                body = {"status": "ok" if whole else "degraded", "engines": states}
-                return JSONResponse(body, status_code=200)
-            reason = "; ".join(f"engine {s['engine']}: {s['state']}" for s in states)
-            body = {"status": "unhealthy", "reason": reason, "engines": states}
-            return JSONResponse(body, status_code=503)
-        if link.healthy:
-            return Response(status_code=200)
-        reason = link.error or ("engine not ready" if not link.ready else "engine silent")
-        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+            return _group_health(group)
+        return _engine_health(engine.link)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -195,8 +219,32 @@ def build_app(
         max_len = info.max_model_len if info else None
         return ModelList(data=[ModelCard(id=config.model.served_model_name, max_model_len=max_len)])
 
-    add_generation_routes(app, ctx)
 
+def _group_health(group: EngineGroup) -> Response:
+    """`/health` of several engines: 200 while one can serve ("degraded" unless all can),
+    503 when none can; each engine's state in the body."""
+    serving, states = group.health()
+    if serving:
+        whole = all(s["state"] == "serving" for s in states)
+        body = {"status": "ok" if whole else "degraded", "engines": states}
+        return JSONResponse(body, status_code=200)
+    reason = "; ".join(f"engine {s['engine']}: {s['state']}" for s in states)
+    body = {"status": "unhealthy", "reason": reason, "engines": states}
+    return JSONResponse(body, status_code=503)
+
+
+def _engine_health(link: SchedulerLink | GroupLink) -> Response:
+    """`/health` of one engine: an empty 200, or 503 with the reason it cannot serve."""
+    if link.healthy:
+        return Response(status_code=200)
+    reason = link.error or ("engine not ready" if not link.ready else "engine silent")
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """`/tokenize` and `/detokenize`: on the event loop only what does not grow with the
+    request; the rest on the offload threads (the module's docstring)."""
+    config, tok = ctx.config, ctx.tokenizer
     max_bytes = config.server.max_response_bytes
 
     @app.post("/tokenize", response_model=TokenizeResponse)
@@ -205,23 +253,7 @@ def build_app(
         req = await ctx.offload.run(parse, TokenizeRequest, body, what="parsing the request body")
         check_model(req, config)
         limits = ctx.limits()
-        if req.messages is not None:
-            try:
-                chat = ChatCompletionRequest(
-                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
-                )
-            except ValidationError as e:
-                raise from_validation_error(e) from e
-            ids = await ctx.offload.run(
-                lambda: chat_prompt(chat, tok, limits, check_length=False).ids,
-                what="rendering the chat template and tokenizing",
-                param="messages",
-            )
-        else:
-            ids = await ctx.offload.run(
-                encode, tok, req.prompt, req.add_special_tokens, "prompt",
-                what="tokenizing the prompt", param="prompt",
-            )  # fmt: skip
+        ids = await _token_ids(ctx, req, limits)
         content = await ctx.offload.run(
             _tokenized, tok, ids, req.return_token_strs, limits, max_bytes,
             what="rendering the tokens",
@@ -239,7 +271,27 @@ def build_app(
         )  # fmt: skip
         return Response(content, media_type="application/json")
 
-    return app
+
+async def _token_ids(ctx: ServingContext, req: TokenizeRequest, limits: Limits) -> list[int]:
+    """The ids `/tokenize` answers with: its messages through the chat template, or its
+    prompt (on an offload thread)."""
+    tok = ctx.tokenizer
+    if req.messages is None:
+        return await ctx.offload.run(
+            encode, tok, req.prompt, req.add_special_tokens, "prompt",
+            what="tokenizing the prompt", param="prompt",
+        )  # fmt: skip
+    try:
+        chat = ChatCompletionRequest(
+            messages=req.messages, add_generation_prompt=req.add_generation_prompt
+        )
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+    return await ctx.offload.run(
+        lambda: chat_prompt(chat, tok, limits, check_length=False).ids,
+        what="rendering the chat template and tokenizing",
+        param="messages",
+    )
 
 
 def _tokenized(tok, ids: list[int], strs: bool, limits: Limits, max_bytes: int) -> bytes:

@@ -1,7 +1,7 @@
 """The launcher's liveness check cannot be starved (issue 43).
 
 `subway serve` asks its frontend whether the engine can serve over a private Unix
-socket held open for the whole run (`frontend/liveness.py`, `tools/launch.py`), not
+socket held open for the whole run (`frontend/liveness.py`, `tools/health_watch.py`), not
 over the public HTTP port, and raises its open-file limit at start. Checked in
 process (the socket's answers, a hung loop, the limit), then black-box: clients
 holding every connection `--max-connections` allows, or more sockets than the

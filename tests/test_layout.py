@@ -19,6 +19,7 @@ FORBIDDEN = {
     "subway_kernels": ("subway.worker", "subway.scheduler", "subway.frontend", "subway.tools"),
 }  # fmt: skip
 MAX_LINES = 450
+MAX_FUNCTION_LINES = 80  # a longer body is several jobs: name them
 # Benchmarks and device checks are not product modules.
 NOT_PRODUCT = ("tools/bench/", "tools/gpu_check.py")
 
@@ -61,6 +62,70 @@ def test_product_modules_stay_short():
             if n > MAX_LINES:
                 long.append(f"{rel}: {n} lines")
     assert not long, long
+
+
+def _product_modules() -> list[tuple[str, pathlib.Path]]:
+    out = []
+    for folder in ("scheduler", "ipc", "frontend", "client", "worker", "subway_kernels", "tools",
+                   "subway_pkg"):  # fmt: skip
+        for path in _modules(folder):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith(NOT_PRODUCT):
+                out.append((rel, path))
+    return out
+
+
+def _long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function or method longer than `limit`, from `def` to its
+    last line (decorators not counted)."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_product_functions_stay_short():
+    """Files split by job, not by length: no function or method over MAX_FUNCTION_LINES."""
+    long = [
+        f"{rel}: {name} has {n} lines"
+        for rel, path in _product_modules()
+        for name, n in _long_functions(path.read_text())
+    ]
+    assert not long, long
+
+
+def test_a_long_function_is_seen():
+    """The rule counts a method from its `def` to its last line (so it can fail)."""
+    n = MAX_FUNCTION_LINES
+    body = "".join(f"        x{i} = {i}\n" for i in range(n))  # def + n lines: one too many
+    assert _long_functions("class A:\n    def f(self):\n" + body) == [("f", n + 1)]
+    assert _long_functions("def g():\n" + body[: -len(f"        x{n - 1} = {n - 1}\n")]) == []
+
+
+def _scheduler_import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in _modules("scheduler"):
+        names = _imports(path)
+        graph[path.stem] = {
+            n.split(".")[2]
+            for n in names
+            if n.startswith("subway.scheduler.") and n.count(".") >= 2
+        } - {path.stem}
+    return graph
+
+
+def test_the_scheduler_modules_import_in_one_direction():
+    """No circle among the scheduler's modules, not even under TYPE_CHECKING: the planner,
+    the settling and the policies get what they need as arguments, and the `Scheduler`
+    that owns the queues imports them (never the other way)."""
+    import graphlib
+
+    graph = _scheduler_import_graph()
+    assert {"scheduler", "planner", "settle", "policy", "handoff"} <= set(graph)
+    assert "planner" in graph["scheduler"] and "scheduler" in graph["handoff"]
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on a circle
 
 
 def test_a_forbidden_import_is_seen(tmp_path):

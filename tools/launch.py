@@ -7,13 +7,13 @@ process dies, the others are stopped, shared memory is unlinked and `serve`
 exits non-zero. Ctrl-C or SIGTERM stops the frontend first (it drains), then the
 scheduler, which tells the workers to exit.
 
-Once the engine is ready, `serve` also watches its frontend (`HealthWatch`): an engine
-that cannot serve for `UNHEALTHY_EXIT_S` (an error, a silent scheduler, a hung
-frontend) stops everything. The watch asks over the frontend's private liveness
-socket (`frontend/liveness.py`), one connection held for the whole run, never over the
-public HTTP port: there, clients holding every connection the cap allows, or every
-file descriptor the frontend has, would make the probe fail and `serve` stop a healthy
-server. `/health` over HTTP is used only with a frontend that has no liveness socket.
+Once the engine is ready, `serve` also watches its frontend (`HealthWatch`, in
+`tools/health_watch.py`): an engine that cannot serve for `UNHEALTHY_EXIT_S` (an error, a
+silent scheduler, a hung frontend) stops everything. The watch asks over the frontend's
+private liveness socket (`frontend/liveness.py`), one connection held for the whole run,
+never over the public HTTP port: there, clients holding every connection the cap allows,
+or every file descriptor the frontend has, would make the probe fail and `serve` stop a
+healthy server. `/health` over HTTP is used only with a frontend that has no liveness socket.
 The file-descriptor limit is raised to its hard limit at start (`raise_fd_limit`), for
 the launcher and every process it starts.
 """
@@ -28,13 +28,17 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
-from subway.frontend.liveness import liveness_path, parse_answer
+from subway.frontend.liveness import liveness_path
 from subway.ipc import curve
 from subway.ipc.config import EngineConfig, ParallelConfig
 from subway.ipc.sockets import cleanup_ipc, secure_dir
+from subway.tools.health_watch import (  # noqa: F401 - UNHEALTHY_EXIT_S: also the tests'
+    UNHEALTHY_EXIT_S,
+    HealthWatch,
+    LivenessProbe,
+)
 from subway.tools.limits import raise_fd_limit  # noqa: F401 - also the cli's
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -139,21 +143,6 @@ def remove_engine_leftovers(config: EngineConfig) -> list[str]:
     return removed
 
 
-def health_reason(config: EngineConfig, timeout: float = 2.0) -> str | None:
-    """None when /health answers 200; else why not (its reason, or no answer)."""
-    url = f"http://{config.server.host}:{config.server.port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return None if r.status == 200 else f"HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        try:
-            return json.loads(e.read()).get("reason") or f"HTTP {e.code}"
-        except (ValueError, OSError, AttributeError):
-            return f"HTTP {e.code}"
-    except (urllib.error.URLError, OSError) as e:
-        return f"no answer ({e})"
-
-
 def demo_request(config: EngineConfig) -> str:
     body = json.dumps(
         {
@@ -192,103 +181,6 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> No
                     rest.kill()
     for _, p in procs:
         p.wait()
-
-
-UNHEALTHY_EXIT_S = 15.0  # a ready engine whose health check fails this long is stopped
-HEALTH_PROBE_S = 1.0
-PROBE_TIMEOUT_S = 2.0  # an answer later than this is none
-
-
-class LivenessProbe:
-    """The launcher's question to its frontend, can the engine serve, over the frontend's
-    liveness socket (`frontend/liveness.py`): one connection, kept across probes, so that
-    no probe needs a descriptor or a connection slot of the frontend's. A probe that gets
-    no answer within `PROBE_TIMEOUT_S` drops the connection (a late answer must not be
-    read as the next one's) and the next probe connects again. Until that socket has
-    answered once, a frontend without one (it could not listen) is asked `/health`."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.path = liveness_path(config)
-        self.sock: socket.socket | None = None
-        self.private = False  # the liveness socket has answered: no fallback any more
-
-    def reason(self) -> str | None:
-        """None when the engine can serve; else why not (the frontend's reason, or none)."""
-        if self.sock is None:
-            try:
-                self.sock = self._connect()
-            except OSError as e:
-                if self.private:
-                    return f"no answer on {self.path} ({e})"
-                return health_reason(self.config, PROBE_TIMEOUT_S)
-        try:
-            reason = parse_answer(self._ask(self.sock))
-        except (OSError, ValueError) as e:
-            self.close()
-            return f"no answer on {self.path} ({e or type(e).__name__})"
-        self.private = True
-        return reason
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(PROBE_TIMEOUT_S)
-            sock.connect(self.path)
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
-    @staticmethod
-    def _ask(sock: socket.socket) -> bytes:
-        """One question, one line back within `PROBE_TIMEOUT_S` (TimeoutError if not)."""
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        sock.sendall(b"?\n")
-        line = b""
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or len(line) > 4096:
-                raise TimeoutError("no whole answer in time")
-            sock.settimeout(left)
-            chunk = sock.recv(4096)
-            if not chunk:
-                raise ConnectionResetError("the frontend closed the liveness socket")
-            line += chunk
-        return line
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-class HealthWatch:
-    """The launcher's view of a ready engine, probed every `HEALTH_PROBE_S` through its
-    `LivenessProbe`. One that fails (unhealthy with a reason, or no answer: a hung
-    frontend or scheduler) for `UNHEALTHY_EXIT_S` means the engine cannot serve; `serve`
-    then stops everything."""
-
-    def __init__(self, probe: LivenessProbe) -> None:
-        self.probe = probe
-        self.last_probe = 0.0
-        self.failing_since: float | None = None
-
-    def due(self) -> bool:
-        return time.monotonic() - self.last_probe >= HEALTH_PROBE_S
-
-    def check(self) -> str | None:
-        self.last_probe = time.monotonic()
-        reason = self.probe.reason()
-        if reason is None:
-            self.failing_since = None
-            return None
-        if self.failing_since is None:
-            self.failing_since = self.last_probe
-        failing = time.monotonic() - self.failing_since
-        if failing < UNHEALTHY_EXIT_S:
-            return None
-        return f"the engine has been unhealthy for {failing:.0f} s ({reason})"
 
 
 def own_rendezvous(config: EngineConfig, default: bool | None = None) -> EngineConfig:
@@ -333,12 +225,53 @@ def own_curve_keys(config: EngineConfig) -> tuple[EngineConfig, str | None]:
 
 
 def serve(config: EngineConfig, demo: bool = False) -> int:
+    """Start every process of `config`'s engines, supervise them until Ctrl-C, SIGTERM or
+    a failure, then stop them and clean up. Returns the exit code."""
     raise_fd_limit(config)
+    prepared = _prepare_run(config)
+    if prepared is None:
+        return 1
+    config, made_run_dir, made_key_file = prepared
+    engines = engine_configs(config)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stop = StopRequest()
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    probe = LivenessProbe(config)
+    try:
+        engine_of = _start_processes(config, engines, procs)
+        print(f"subway: loading {config.model.path} ...", flush=True)
+        code = _supervise(config, engines, procs, engine_of, probe, stop, demo)
+    finally:
+        probe.close()
+        _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
+        _clean_up(config, engines, made_run_dir, made_key_file)
+        for s, h in old.items():
+            signal.signal(s, h)
+    print(f"subway: stopped (exit {code})", flush=True)
+    return code
+
+
+class StopRequest:
+    """The handler of SIGINT and SIGTERM while `serve` runs: it only notes the request, and
+    the supervising loop stops everything in order at its next turn."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def _prepare_run(config: EngineConfig) -> tuple[EngineConfig, bool, str | None] | None:
+    """The run folder made safe and the CurveZMQ keys in place, before any child starts:
+    (the config, naming the key file; whether this call made the folder; the key file it
+    made, if any). None, with the reason printed, where either is refused."""
     try:
         made_run_dir = secure_dir(config.ipc.run_dir)
     except PermissionError as e:
         print(f"subway: refusing the run folder: {e}", file=sys.stderr)
-        return 1
+        return None
     try:
         config, made_key_file = own_curve_keys(config)
         curve.require_key_file(config.ipc)  # a given file: refused here, before any child
@@ -347,89 +280,117 @@ def serve(config: EngineConfig, demo: bool = False) -> int:
         if made_run_dir:
             with contextlib.suppress(OSError):
                 os.rmdir(config.ipc.run_dir)
-        return 1
-    engines = engine_configs(config)
+        return None
+    return config, made_run_dir, made_key_file
+
+
+def _start_processes(
+    config: EngineConfig, engines: list[EngineConfig], procs: list[tuple[str, subprocess.Popen]]
+) -> dict[str, int]:
+    """Start the frontend, then each engine's scheduler and workers. Each process joins
+    `procs` as it starts, so that a start that fails stops those before it. Returns each
+    process's engine, by name."""
     many = len(engines) > 1
-    procs: list[tuple[str, subprocess.Popen]] = []
-    engine_of: dict[str, int] = {}  # process name -> its engine
-    stopping = False
+    engine_of: dict[str, int] = {}
+    procs.append(("frontend", _spawn("frontend", config)))
+    for i, engine in enumerate(engines):
+        tag = f" (engine {i})" if many else ""
+        names = [f"scheduler{tag}"]
+        procs.append((names[0], _spawn("scheduler", engine)))
+        for rank in range(config.parallel.tensor_parallel_size):
+            names.append(f"worker {rank}{tag}")
+            procs.append((names[-1], _spawn("worker", engine, "--rank", str(rank))))
+        engine_of.update(dict.fromkeys(names, i))
+    return engine_of
 
-    def on_signal(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
-    probe = LivenessProbe(config)
-    try:
-        procs.append(("frontend", _spawn("frontend", config)))
-        for i, engine in enumerate(engines):
-            tag = f" (engine {i})" if many else ""
-            names = [f"scheduler{tag}"]
-            procs.append((names[0], _spawn("scheduler", engine)))
-            for rank in range(config.parallel.tensor_parallel_size):
-                names.append(f"worker {rank}{tag}")
-                procs.append((names[-1], _spawn("worker", engine, "--rank", str(rank))))
-            engine_of.update(dict.fromkeys(names, i))
-        print(f"subway: loading {config.model.path} ...", flush=True)
-        ready = False
-        watch = HealthWatch(probe)
-        lost: set[int] = set()  # engines stopped after one of their processes died
-        while not stopping:
-            dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
-            # Killed by a signal first: within one poll a process's peers may have exited
-            # too (code 1, on noticing it), and the cause is what to name.
-            dead.sort(key=lambda d: d[1] >= 0)
-            fatal = [d for d in dead if not many or engine_of.get(d[0]) not in lost]
-            for name, rc in fatal:
-                i = engine_of.get(name)
-                if not many or i is None or len(lost | {i}) == len(engines):
-                    also = "".join(
-                        f" ({n} exited with code {c} too)" for n, c in fatal if n != name
-                    )
-                    print(f"subway: {name} exited with code {rc}{also}; stopping", file=sys.stderr)
-                    code = 1
-                    break
-                # One engine of several: stop the rest of it; the others serve on.
-                print(f"subway: {name} exited with code {rc}; stopping engine {i}, the "
-                      f"other {len(engines) - len(lost) - 1} serve on", file=sys.stderr)  # fmt: skip
-                lost.add(i)
-                _stop([(n, p) for n, p in procs if engine_of.get(n) == i], drain_timeout=0.0)
-                remove_engine_leftovers(engines[i])
-            if code:
-                break
-            if ready and watch.due():
-                failure = watch.check()
-                if failure is not None:
-                    print(f"subway: {failure}; stopping", file=sys.stderr)
-                    code = 1
-                    break
-            if not ready and probe.reason() is None:
-                ready = True
-                url = f"http://{config.server.host}:{config.server.port}"
-                print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
-                if config.client_address is not None:
-                    zmq_addr = config.client_address
-                    print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
-                if demo:
-                    print(f"subway: demo> {DEMO_PROMPT}", flush=True)
-                    try:
-                        print(f"subway: demo< {demo_request(config).strip()}", flush=True)
-                    except Exception as e:  # the demo must not take the server down
-                        print(f"subway: demo request failed: {e}", file=sys.stderr)
-                print("subway: press Ctrl-C to stop", flush=True)
-            time.sleep(0.2)
-    finally:
-        probe.close()
-        _stop(procs, drain_timeout=config.server.shutdown_timeout if code == 0 else 0.0)
-        if made_key_file is not None:  # only the file this run made, before the folder goes
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(made_key_file)
-        left = [path for e in engines[1:] for path in remove_leftovers(e, made_run_dir=False)]
-        left += remove_leftovers(config, made_run_dir)
-        if left:
-            print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
-        for s, h in old.items():
-            signal.signal(s, h)
-    print(f"subway: stopped (exit {code})", flush=True)
-    return code
+def _supervise(
+    config: EngineConfig,
+    engines: list[EngineConfig],
+    procs: list[tuple[str, subprocess.Popen]],
+    engine_of: dict[str, int],
+    probe: LivenessProbe,
+    stop: StopRequest,
+    demo: bool,
+) -> int:
+    """Watch the processes until a stop is requested (0), or until the engine cannot serve
+    (1): a process died (of the last engine that could serve), or the ready engine has
+    been unhealthy for `UNHEALTHY_EXIT_S`. Announces the engine once it is ready."""
+    ready = False
+    watch = HealthWatch(probe)
+    lost: set[int] = set()  # engines stopped after one of their processes died
+    while not stop.requested:
+        if _handle_exits(engines, procs, engine_of, lost):
+            return 1
+        if ready and watch.due():
+            failure = watch.check()
+            if failure is not None:
+                print(f"subway: {failure}; stopping", file=sys.stderr)
+                return 1
+        if not ready and probe.reason() is None:
+            ready = True
+            _announce(config, demo)
+        time.sleep(0.2)
+    return 0
+
+
+def _handle_exits(
+    engines: list[EngineConfig],
+    procs: list[tuple[str, subprocess.Popen]],
+    engine_of: dict[str, int],
+    lost: set[int],
+) -> bool:
+    """Whether a process that exited ends the run (said on stderr). Of several engines, one
+    that lost a process is stopped and cleaned up, and joins `lost`; the others serve on."""
+    many = len(engines) > 1
+    dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
+    # Killed by a signal first: within one poll a process's peers may have exited
+    # too (code 1, on noticing it), and the cause is what to name.
+    dead.sort(key=lambda d: d[1] >= 0)
+    fatal = [d for d in dead if not many or engine_of.get(d[0]) not in lost]
+    for name, rc in fatal:
+        i = engine_of.get(name)
+        if not many or i is None or len(lost | {i}) == len(engines):
+            also = "".join(f" ({n} exited with code {c} too)" for n, c in fatal if n != name)
+            print(f"subway: {name} exited with code {rc}{also}; stopping", file=sys.stderr)
+            return True
+        # One engine of several: stop the rest of it; the others serve on.
+        print(f"subway: {name} exited with code {rc}; stopping engine {i}, the "
+              f"other {len(engines) - len(lost) - 1} serve on", file=sys.stderr)  # fmt: skip
+        lost.add(i)
+        _stop([(n, p) for n, p in procs if engine_of.get(n) == i], drain_timeout=0.0)
+        remove_engine_leftovers(engines[i])
+    return False
+
+
+def _announce(config: EngineConfig, demo: bool) -> None:
+    """Where the ready engine serves; with `demo`, one request's answer."""
+    url = f"http://{config.server.host}:{config.server.port}"
+    print(f"subway: serving {config.model.served_model_name} at {url}/v1", flush=True)
+    if config.client_address is not None:
+        zmq_addr = config.client_address
+        print(f"subway: native ZMQ client endpoint at {zmq_addr}", flush=True)
+    if demo:
+        print(f"subway: demo> {DEMO_PROMPT}", flush=True)
+        try:
+            print(f"subway: demo< {demo_request(config).strip()}", flush=True)
+        except Exception as e:  # the demo must not take the server down
+            print(f"subway: demo request failed: {e}", file=sys.stderr)
+    print("subway: press Ctrl-C to stop", flush=True)
+
+
+def _clean_up(
+    config: EngineConfig,
+    engines: list[EngineConfig],
+    made_run_dir: bool,
+    made_key_file: str | None,
+) -> None:
+    """After the processes stopped: the key file this run made (before its folder goes),
+    then every engine's leftover shared memory and sockets."""
+    if made_key_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(made_key_file)
+    left = [path for e in engines[1:] for path in remove_leftovers(e, made_run_dir=False)]
+    left += remove_leftovers(config, made_run_dir)
+    if left:
+        print(f"subway: removed leftover shared memory {left}", file=sys.stderr)
