@@ -22,7 +22,7 @@ from subway.scheduler.block_manager import BlockManager
 from subway.tools.proc_title import parse, title
 
 from reference import hf_greedy
-from serving import Server, complete, degraded, per_engine, until
+from serving import Server, complete, degraded, free_port, per_engine, until
 
 # The other tiny arch and the default model run in the whole run (`make test-all`).
 SLOW_ARCHS = [pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "default")]
@@ -227,15 +227,13 @@ def test_one_engine_lost_under_load_the_other_serves_on(tiny_models):
 def _free_pair() -> int:
     """A port p with p + 1 free too (engine 1's derived port)."""
     for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-                return p
+        p = free_port()
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
     raise RuntimeError("no two adjacent free ports")
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +57,7 @@ from subway.ipc.messages import (
 )
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import bind, cleanup_ipc, connect
+from subway.tools.serve_process import free_port as _free_port  # test_front_door's name
 
 EOS = 2
 MODEL = "smol-test"
@@ -239,12 +239,6 @@ class FakeScheduler:
 
 
 # ---------------------------------------------------------------- the live frontend
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

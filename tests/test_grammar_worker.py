@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import jsonschema
 import pytest
@@ -23,6 +22,7 @@ from test_model_equality import GREEDY, MiniPlanner, _random_prompts, make_runne
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import Grammar, NewSeq, Plan, SamplingParams, SeqStep, TokenRef
 from subway.llm import LLM, Output
+from subway.tools.serve_process import free_port
 
 import reference
 
@@ -316,9 +316,7 @@ def test_two_ranks_rank0_masks_and_both_fail_a_bad_grammar(tiny_models, tmp_path
     path = tiny_models["llama"]
     prompts = _random_prompts(49152, [7, 12, 3], seed=4)
     out_file = str(tmp_path / "tp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    addr = f"127.0.0.1:{free_port()}"
     tmp.spawn(_tp_rank, args=(path, addr, prompts, out_file), nprocs=2, join=True)
     with open(out_file + ".0") as f0, open(out_file + ".1") as f1:
         rank0, rank1 = json.load(f0), json.load(f1)

@@ -12,7 +12,7 @@ import ipaddress
 import psutil
 import pytest
 
-from serving import Server
+from serving import Server, free_port
 
 
 def _listening(procs: list[psutil.Process]) -> list[tuple[int, str, int]]:
@@ -79,7 +79,7 @@ def test_the_store_listens_on_its_host_alone(host):
 
     from subway.worker.parallel import rendezvous_store
 
-    store = rendezvous_store(host, _free_port(host), 1, True, datetime.timedelta(seconds=5))
+    store = rendezvous_store(host, free_port(host), 1, True, datetime.timedelta(seconds=5))
     store.set("k", "v")
     mine = _listening([psutil.Process()])
     assert [a for _, a, p in mine if p == store.port] == [host]
@@ -96,12 +96,3 @@ def test_a_taken_rendezvous_port_is_a_clear_error():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match="--dist-init-addr"):
             rendezvous_store("127.0.0.1", port, 2, True, datetime.timedelta(seconds=1))
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

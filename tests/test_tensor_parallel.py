@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as tmp
 
 from subway.ipc.config import EngineConfig
+from subway.tools.serve_process import free_port
 
 LENGTHS = [5, 23, 1, 40, 9, 12]
 MAX_NEW = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, path: str, addr: str, prompts: list[list[int]], out_file: str) -> None:
@@ -73,7 +67,7 @@ def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch
         vocab = json.load(f)["vocab_size"]
     prompts = _random_prompts(vocab, LENGTHS, seed=2)
     out_file = str(tmp_path / "tokens")
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     tmp.spawn(_rank_main, args=(path, addr, prompts, out_file), nprocs=2, join=True)
     with open(out_file + ".0") as f0, open(out_file + ".1") as f1:
         rank0, rank1 = json.load(f0), json.load(f1)
@@ -108,7 +102,7 @@ def test_a_collective_waiting_for_a_stalled_rank_times_out(tmp_path):
     import multiprocessing as mp
 
     out = str(tmp_path / "outcome.json")
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_stalling_rank, args=(r, addr, out)) for r in (0, 1)]
     for p in procs:

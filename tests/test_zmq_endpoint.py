@@ -41,7 +41,7 @@ from subway.ipc import curve
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import EngineReady, Grammar, SamplingParams
 
-from serving import Server
+from serving import Server, free_port
 
 KEY = "sekret-key"
 K = KEY.encode()
@@ -375,9 +375,7 @@ class Tap:
 
 
 def _tcp() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -29,19 +29,12 @@ from subway.ipc.config import IpcConfig
 from subway.ipc.kv_leases import LeaseTable
 from subway.ipc.messages import KvImport
 from subway.ipc.sockets import Sockets
+from subway.tools.serve_process import free_port
 from subway.worker.kv_cache import allocate_kv_cache
 from subway.worker.kv_remote import Fetches, KvServer, block_bytes
 from subway.worker.kv_share import Importer, KvLayout, SharedKvCache, layout_of, segment_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
@@ -68,7 +61,7 @@ def run(blocks: int, block_size: int, dtype: str, repeats: int) -> dict:
     curve.write_key_file(key)
     ctx = zmq.Context()
     socks = Sockets(ctx, IpcConfig(curve_key_file=key, run_id=source[len("subway_") :]))
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     server = KvServer(socks, addr, shared.caches)
     poller = zmq.Poller()
     poller.register(server.sock, zmq.POLLIN)

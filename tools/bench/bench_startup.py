@@ -12,7 +12,6 @@ the other.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,11 +20,7 @@ import time
 import httpx
 import psutil
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from subway.tools.serve_process import free_port
 
 
 def one_start(model: str, flags: list[str], timeout: float) -> tuple[float, list[str]]:

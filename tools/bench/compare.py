@@ -25,25 +25,20 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
+from subway.tools import serve_process
 from subway.tools.bench import bench_hf, bench_serving, workload
+from subway.tools.serve_process import free_port
+
+_free_port = free_port  # the name tools/bench/vs_vllm.py uses
 
 # Arithmetic bounds of this CPU for the standard workload, from the issue's measurement
 # (180 GFLOP/s float32, 410 GFLOP/s bfloat16 over the workload's FLOPs).
 BOUND_TOKENS_PER_S = {"float32": 270.0, "bfloat16": 620.0}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class KvSampler(threading.Thread):
@@ -76,32 +71,22 @@ class KvSampler(threading.Thread):
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, label: str, log: str, within_s: float) -> None:
-    """Until `url`/health answers 200; RuntimeError if `proc` exits or `within_s` passes."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{label}: server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{label}: not healthy within {within_s:.0f} s; see {log}")
+    """serve_process.wait_healthy in this module's argument order (tools/bench/vs_vllm.py)."""
+    serve_process.wait_healthy(url, proc, within_s, log=log, label=label)
 
 
 @contextlib.contextmanager
 def subway_server(label: str, flags: list[str], threads: int) -> Iterator[str]:
     """A `subway serve` on a free port for the duration of the block; yields its URL."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "subway.tools.cli", "serve", "--port", str(port)]
     cmd += ["--allow-client-priority"]  # the workload's SLO fields reach the scheduler
-    cmd += ["--threads", str(threads), "--dist-init-addr", f"127.0.0.1:{_free_port()}", *flags]
+    cmd += ["--threads", str(threads), "--dist-init-addr", f"127.0.0.1:{free_port()}", *flags]
     log = open(f"/tmp/subway-bench-{label}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, label, log.name, 300)
+        serve_process.wait_healthy(url, proc, 300, log=log.name, label=label)
         yield url
     finally:
         proc.terminate()

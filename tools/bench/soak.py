@@ -33,22 +33,17 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from typing import Any
 
 import httpx
 import psutil
 
 from subway.tools.bench.bench_serving import parse_prometheus, server_model
-from subway.tools.proc_title import parse as parse_title
+from subway.tools.serve_process import ServeProcess, engine_processes
+from subway.tools.serve_process import free_port as free_port  # for tools/bench/chaos.py
 
 GAUGES = (
     "subway:num_requests_running",
@@ -65,129 +60,7 @@ PREAMBLE = "You are a careful assistant. Answer briefly and stay on topic. "  # 
 
 
 # ---------------------------------------------------------------- a server of our own
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """`subway serve` as a subprocess on a free port, with a run id of its own, logging to a
-    temporary file. `flags` are more `serve` flags; `model` "" means the default model."""
-
-    def __init__(self, model: str = "", *flags: str, startup_timeout: float = 300.0) -> None:
-        self.port = free_port()
-        self.run_id = "soak" + uuid.uuid4().hex[:8]
-        self.run_dir = os.path.join(tempfile.gettempdir(), f"subway-{self.run_id}")
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "subway.tools.cli", "serve", "--port", str(self.port)]
-        cmd += ["--run-id", self.run_id, "--dist-init-addr", f"127.0.0.1:{free_port()}"]
-        if model:
-            cmd += ["--model", model]
-        self.log = tempfile.NamedTemporaryFile(prefix="subway-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([*cmd, *flags], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"serve exited early:\n{self.output()[-4000:]}")
-                if health(self.url) == 200:
-                    return
-                time.sleep(0.2)  # polling for readiness under a deadline
-            raise RuntimeError(f"serve did not become healthy:\n{self.output()[-4000:]}")
-        except BaseException:  # Ctrl-C included: leave no engine behind
-            self.kill_all()
-            raise
-
-    def processes(self) -> dict[str, psutil.Process]:
-        return engine_processes(self.proc.pid)
-
-    def output(self) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()
-
-    def leftovers(self) -> list[str]:
-        """Whatever of this run id is still in /dev/shm or the run folder."""
-        left = [os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm") if self.run_id in f]
-        if os.path.exists(self.run_dir):
-            left += [os.path.join(self.run_dir, f) for f in os.listdir(self.run_dir)] or [
-                self.run_dir
-            ]
-        return left
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM and wait; None if serve did not exit in time (then everything is killed)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            return None
-
-    def kill_all(self, clean: bool = True) -> None:
-        """SIGKILL serve and every process under it (ours, by pid), then (`clean`) remove
-        what is left of the run id."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            below = root.children(recursive=True)
-            first = [root, *root.children()]
-        except psutil.NoSuchProcess:
-            below, first = [], []
-        # serve and its children first; their resource trackers then unlink the shm their
-        # owners made (as they would after any SIGKILL), and get SIGKILL only if they linger.
-        for group in (first, [p for p in below if p not in first]):
-            if group is not first:
-                psutil.wait_procs(group, timeout=5)
-            for p in group:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(group, timeout=10)
-        self.proc.wait()
-        if clean:
-            self.remove_leftovers()
-
-    def remove_leftovers(self) -> None:
-        """Unlink this run id's shm and socket files and its run folder (named by us)."""
-        for f in self.leftovers():
-            if f != self.run_dir:
-                os.unlink(f)
-        if os.path.isdir(self.run_dir):
-            os.rmdir(self.run_dir)
-
-
-def health(url: str) -> int:
-    """/health's status; 0 if nothing answers (refused, reset), -1 if it does not in 2 s."""
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.TimeoutException:
-        return -1
-    except httpx.HTTPError:
-        return 0
-
-
-def engine_processes(serve_pid: int) -> dict[str, psutil.Process]:
-    """serve's children by role: "frontend", "scheduler", "worker 0", "worker 1", ..."""
-    out: dict[str, psutil.Process] = {}
-    try:
-        children = psutil.Process(serve_pid).children(recursive=False)
-    except psutil.NoSuchProcess:
-        return out
-    for c in children:
-        try:
-            cmd = c.cmdline()
-        except psutil.Error:
-            continue
-        what = parse_title(cmd)
-        kind = what.get("kind", "?")
-        if kind == "worker":
-            kind = f"worker {what.get('rank', '0')}"
-        out[kind] = c
-    return out
+# (ServeProcess, engine_processes: subway.tools.serve_process)
 
 
 def serve_pid_of(url: str) -> int | None:
@@ -513,7 +386,7 @@ def run_soak(args: argparse.Namespace) -> int:
         pid = serve_pid_of(base)
         procs = engine_processes(pid) if pid else {}
     else:
-        server = ServeProcess(args.model, *args.serve_args)
+        server = ServeProcess(args.model, *args.serve_args, prefix="soak")
         base, procs = server.url, server.processes()
         print(f"soak: serve at {base}, run id {server.run_id}, log {server.log.name}", flush=True)
     try:
