@@ -35,7 +35,8 @@ import msgspec
 from starlette.requests import Request
 
 from subway.frontend.detokenizer import Detokenizer
-from subway.frontend.engine_client import EngineClient, EngineDeadError, RequestStream
+from subway.frontend.engine import Engine
+from subway.frontend.engine_client import EngineDeadError, RequestStream
 from subway.frontend.errors import APIError
 from subway.frontend.inputs import Job, runs_per_prompt
 from subway.frontend.logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
@@ -307,7 +308,7 @@ class ChoiceGroup:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engine: Engine,
         tokenizer,
         specs: list[ChoiceSpec],
         *,

@@ -37,6 +37,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
+from subway.frontend.engine import Engine
 from subway.ipc.config import EngineConfig
 
 log = logging.getLogger("subway.frontend")
@@ -52,7 +53,7 @@ def liveness_path(config: EngineConfig) -> str:
     return os.path.join(config.ipc.run_dir, SOCKET_NAME)
 
 
-def verdict(engine: Any) -> str | None:
+def verdict(engine: Engine) -> str | None:
     """None when the frontend can serve; else why not. The same judgement as `/health`
     (`server.py`): draining; several engines: none serving; one: its link not healthy."""
     if engine.draining:
@@ -136,7 +137,7 @@ class LivenessServer:
             os.unlink(self.path)
 
 
-def serve_liveness(app: Any, config: EngineConfig, engine: Any) -> None:
+def serve_liveness(app: Any, config: EngineConfig, engine: Engine) -> None:
     """Make `app`'s lifespan (a FastAPI app's) serve the liveness socket: from the moment
     the engine client has started (its sockets made the run folder, if anything had to)
     until the lifespan ends; uvicorn binds the HTTP port after the lifespan's start, so

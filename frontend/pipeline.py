@@ -47,7 +47,8 @@ from subway.frontend.choices import (
     GenerationError,
     fan_out,
 )
-from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFullError
+from subway.frontend.engine import Engine
+from subway.frontend.engine_client import EngineDeadError, QueueFullError
 from subway.frontend.errors import APIError
 from subway.frontend.grammar import GrammarCheck, request_constraint
 from subway.frontend.grammar_pool import GrammarPool, PoolError, PoolStartError
@@ -55,6 +56,7 @@ from subway.frontend.inputs import (
     IGNORED_HEADER,
     Job,
     Limits,
+    R,
     check_request,
     client_scheduling,
     completion_job,
@@ -75,7 +77,7 @@ SSE_DONE = "data: [DONE]\n\n"
 @dataclass
 class ServingContext:
     config: EngineConfig
-    engine: EngineClient
+    engine: Engine
     tokenizer: object
     metrics: Metrics | None = None
     offload: Offload = field(init=False)  # parsing, chat templates, tokenization
@@ -168,14 +170,9 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     """One HTTP request of `api`, start to end; `record` is its access-log record."""
     body = await request.body()
     req = await ctx.offload.run(parse, api.request, body, what="parsing the request body")
-    check_request(req, ctx.config)
-    req, ignored = client_scheduling(req, ctx.config)
+    req, job, ignored = await prepare(ctx, api, req)
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else None
     request_id = new_id(api.id_prefix)
-    job = await ctx.offload.run(
-        api.prepare, req, ctx.tokenizer, ctx.limits(), what=api.preparing, param=api.input
-    )
-    await check_grammars(ctx, job, req)
     group = admit(ctx, req, request_id, job, record, request)
     view = api.view(req, job, request_id, ctx.config.model.served_model_name, ctx.tokenizer)
     if req.stream:
@@ -190,6 +187,20 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     # (up to --max-response-bytes), and the event loop serves every other stream meanwhile.
     content = await asyncio.to_thread(render_json, body)
     return Response(content, media_type="application/json", headers=headers)
+
+
+async def prepare(ctx: ServingContext, api: API, req: R) -> tuple[R, Job, list[str]]:
+    """A parsed request made the engine's work, the one way for HTTP and the native ZMQ
+    endpoint: checked against the config, its client scheduling fields kept or dropped
+    (the names of those dropped), its prompt rendered and tokenized (`api.prepare`, on a
+    worker thread under `--template-timeout`), its grammars checked."""
+    check_request(req, ctx.config)
+    req, ignored = client_scheduling(req, ctx.config)
+    job = await ctx.offload.run(
+        api.prepare, req, ctx.tokenizer, ctx.limits(), what=api.preparing, param=api.input
+    )
+    await check_grammars(ctx, job, req)
+    return req, job, ignored
 
 
 async def check_grammars(ctx: ServingContext, job: Job, req: SamplingRequest) -> None:

@@ -1,6 +1,6 @@
 """The frontend process: an OpenAI-compatible HTTP server in front of the engine client.
 
-`build_app` makes the FastAPI app from a config, an `EngineClient` and a
+`build_app` makes the FastAPI app from a config, an `Engine` and a
 tokenizer (nothing global); the app starts and closes the client (and the
 native ZMQ endpoint) in its lifespan, so their sockets live on the server's
 event loop. `GuardMiddleware` wraps it all (API key, size limits, body timeout,
@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from subway import __version__
 from subway.frontend.chat import chat_prompt
 from subway.frontend.detokenizer import decode_long
-from subway.frontend.engine_client import EngineClient
+from subway.frontend.engine import Engine
 from subway.frontend.engine_group import EngineGroup, GroupLink
 from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
@@ -100,7 +100,7 @@ def _named_tokenizer_class(path: str) -> str:
 
 def build_app(
     config: EngineConfig,
-    engine: EngineClient | EngineGroup,
+    engine: Engine,
     tokenizer=None,
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -140,7 +140,7 @@ def build_app(
 
 
 def _lifespan(
-    engine: EngineClient | EngineGroup, endpoint: ClientEndpoint | None
+    engine: Engine, endpoint: ClientEndpoint | None
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The app's lifespan: the engine's client (then the native ZMQ endpoint) start and
     close on the server's event loop, where their sockets must live."""
@@ -185,9 +185,7 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(e).__name__}").response()
 
 
-def add_status_routes(
-    app: FastAPI, config: EngineConfig, engine: EngineClient | EngineGroup, metrics: Metrics
-) -> None:
+def add_status_routes(app: FastAPI, config: EngineConfig, engine: Engine, metrics: Metrics) -> None:
     """`/health`, `/metrics`, `/version` and `/v1/models`."""
     group = engine if isinstance(engine, EngineGroup) else None
 
@@ -369,9 +367,7 @@ class DrainingServer(uvicorn.Server):
     server stops. A second SIGINT stops it at once; a second SIGTERM changes nothing (the
     launcher and systemd may both send one)."""
 
-    def __init__(
-        self, engine: EngineClient | EngineGroup, drain_timeout: float, config: uvicorn.Config
-    ) -> None:
+    def __init__(self, engine: Engine, drain_timeout: float, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout

@@ -59,15 +59,15 @@ from subway.client.protocol import (
 from subway.client.zmq_curve import client_keys
 from subway.frontend.choices import ChoiceGroup
 from subway.frontend.errors import APIError, from_validation_error
-from subway.frontend.inputs import check_request, client_scheduling, completion_job
 from subway.frontend.logprobs import native_logprobs
 from subway.frontend.middleware import MAX_BODY_BYTES, AccessRecord, access_log, log_access
 from subway.frontend.pipeline import (
+    COMPLETIONS,
     ServingContext,
     admit,
-    check_grammars,
     engine_failure,
     new_id,
+    prepare,
 )
 from subway.frontend.protocol import CompletionRequest
 from subway.ipc import curve
@@ -322,12 +322,8 @@ class ClientEndpoint:
             raise from_validation_error(e) from e
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             raise APIError(400, "one prompt per request", "prompt")
-        check_request(req, ctx.config)
-        req, _ = client_scheduling(req, ctx.config)  # no headers here: dropped quietly
-        job = await ctx.offload.run(  # tokenization off the event loop, under a time limit
-            completion_job, req, ctx.tokenizer, ctx.limits(), what="tokenizing", param="prompt"
-        )  # echo is ignored: it runs
-        await check_grammars(ctx, job, req)  # structured outputs: compiled as for HTTP
+        # As for HTTP; no headers here: dropped scheduling fields go quietly; echo is ignored.
+        req, job, _ = await prepare(ctx, COMPLETIONS, req)
         return admit(ctx, req, new_id("zmq"), job, record)
 
     @staticmethod

@@ -939,6 +939,23 @@ def test_admission_counts_the_queue_a_plan_passed_over_not_fresh_arrivals():
         client.close()
 
 
+def test_one_engine_and_a_group_are_both_the_engine_the_frontend_uses():
+    """`Engine` declares all the frontend asks of an engine: `EngineClient` and `EngineGroup`
+    both satisfy it, and a class missing a member does not."""
+    from subway.frontend.engine import Engine, EngineLink
+    from subway.frontend.engine_group import EngineGroup
+
+    one = EngineClient(EngineConfig.build())
+    group = EngineGroup(EngineConfig.build(data_parallel_size=2))
+    try:
+        for engine in (one, group):
+            assert isinstance(engine, Engine) and isinstance(engine.link, EngineLink)
+        assert not isinstance(object(), Engine)
+    finally:
+        one.close()
+        group.close()
+
+
 def test_engine_client_inline_fallback_abort_and_close(tmp_path):
     config = EngineConfig.build(run_dir=str(tmp_path), prompt_shm_tokens=16)
     fake = FakeScheduler(config, owner_in_process=True)
