@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test test-all lint bench
+.PHONY: install serve test test-unit test-all lint bench
 
 install:
 	$(PIP) torch==2.13.0
@@ -20,6 +20,10 @@ serve: install
 # engines, the other tiny archs of a feature already covered, the soak); test-all runs all.
 test: install
 	$(PY) -m pytest -q -m "not slow"
+
+# The unit tier alone: no `subway serve` started (see tests/conftest.py).
+test-unit: install
+	$(PY) -m pytest -q -m "not slow and not live"
 
 test-all: install
 	$(PY) -m pytest -q

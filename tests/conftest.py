@@ -1,7 +1,13 @@
-"""Shared fixtures: the default model (converted once) and tiny random-weight models.
+"""Shared fixtures: the default model (converted once), tiny random-weight models and the
+session's live servers; the `live` mark.
 
 Tiny models are built with `transformers` from a seed and saved in Hugging
 Face format with the default model's tokenizer, once per test session.
+
+Two tiers by default (`make test` runs both; `make test-unit` the first): unit tests start
+no `subway serve`; live tests (marked `live` here, at collection) are those of a module
+that uses the serving harness (`tests/serving.py`, `subway.tools.serve_process`). `slow`
+(marked by hand) is a third tier, outside the default run.
 """
 
 from __future__ import annotations
@@ -11,6 +17,21 @@ import os
 import pytest
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _uses_the_serving_harness(module) -> bool:
+    names = ("serving", "subway.tools.serve_process")
+    return any(getattr(v, "__module__", None) in names for v in vars(module).values())
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    live = pytest.mark.live
+    for item in items:
+        module = getattr(item, "module", None)
+        if "servers" in getattr(item, "fixturenames", ()) or (
+            module is not None and _uses_the_serving_harness(module)
+        ):
+            item.add_marker(live)
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +86,16 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def servers():
+    """The session's shared live servers (`serving.ServerPool`), one per (model, flags)."""
+    from serving import ServerPool
+
+    pool = ServerPool()
+    yield pool
+    pool.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from serving import Server
+from serving import TINY_FLAGS, Server
 
 
 def _big_schema() -> dict:
@@ -52,10 +52,8 @@ def _stream_gaps(url: str, out: dict, max_tokens: int = 120) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
-    s = Server(tiny_models["llama"], "--served-model-name", "tiny", "--max-model-len", "2048")
-    yield s
-    s.stop()
+def server(servers, tiny_models):
+    return servers.get(tiny_models["llama"], *TINY_FLAGS)
 
 
 def test_n64_with_a_2mb_schema_is_served_and_others_stream_on(server):

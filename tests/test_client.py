@@ -17,7 +17,7 @@ import pytest
 
 from subway.client import AsyncClient, Client, HTTPClient, RequestError
 
-from serving import Server
+from serving import KV_BLOCKS, Server
 
 MODEL = "tiny"
 PROMPT = "Subway trains run every few minutes because"
@@ -25,7 +25,9 @@ PROMPT = "Subway trains run every few minutes because"
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    s = Server(tiny_models["qwen2"], "--served-model-name", MODEL, "--max-model-len", "512")
+    s = Server(
+        tiny_models["qwen2"], "--served-model-name", MODEL, "--max-model-len", "512", *KV_BLOCKS
+    )
     yield s
     s.stop()
 

@@ -46,7 +46,7 @@ from subway.frontend.protocol import (
 from subway.ipc.messages import SamplingParams
 from subway.scheduler.checks import check_sampling
 
-from serving import Server
+from serving import KV_BLOCKS, Server
 
 MODEL = "tiny"
 CONTEXT = 256  # room for a chat with tools (their schemas are in the prompt)
@@ -446,6 +446,7 @@ def server(tiny_models) -> Iterator[Server]:
         "--default-max-tokens", str(CHAT_MAX_TOKENS),
         "--request-timeout", str(GENERATION_LIMIT),
         "--max-num-seqs", "16",
+        *KV_BLOCKS,
     )  # fmt: skip
     yield s
     s.stop()

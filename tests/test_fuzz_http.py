@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving import Server
+from serving import KV_BLOCKS, Server
 
 MODEL = "tiny"
 CONTEXT = 48
@@ -152,6 +152,7 @@ def server(tiny_models):
         "--served-model-name", MODEL,
         "--max-model-len", str(CONTEXT),
         "--max-num-seqs", "16",
+        *KV_BLOCKS,
     )  # fmt: skip
     yield s
     s.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -190,3 +191,14 @@ def test_no_product_module_imports_anothers_private_names():
                                 for a in node.names
                                 if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
     assert not private, private
+
+
+def test_a_module_that_uses_the_serving_harness_is_marked_live(request):
+    """The `live` tier (tests/conftest.py) is every module that starts `subway serve`."""
+    import test_metrics
+
+    import conftest
+
+    assert conftest._uses_the_serving_harness(test_metrics)
+    assert not conftest._uses_the_serving_harness(sys.modules[__name__])
+    assert request.node.get_closest_marker("live") is None

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving import Server, until
+from serving import TINY_FLAGS, Server, until
 
 MODEL = "tiny"
 CONTEXT = 2048
@@ -405,12 +405,10 @@ def is_error(r: httpx.Response, status: int = 400) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
-    # A long --template-timeout: tokenizing the big prompts on a loaded machine is slow.
-    s = Server(tiny_models["llama"], "--served-model-name", MODEL,
-               "--max-model-len", str(CONTEXT), "--template-timeout", "120")  # fmt: skip
-    yield s
-    s.stop()
+def server(servers, tiny_models):
+    # TINY_FLAGS: a context of CONTEXT, and a long --template-timeout (tokenizing the big
+    # prompts on a loaded machine is slow).
+    return servers.get(tiny_models["llama"], *TINY_FLAGS)
 
 
 def _post_json(url: str, body: dict):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import Server, until
+from serving import TINY_FLAGS, until
 
 MODEL = "tiny"
 
@@ -40,10 +40,8 @@ HISTOGRAMS = (
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
-    s = Server(tiny_models["llama"], "--served-model-name", MODEL, "--max-model-len", "512")
-    yield s
-    s.stop()
+def server(servers, tiny_models):
+    return servers.get(tiny_models["llama"], *TINY_FLAGS)
 
 
 def scrape(server) -> dict:

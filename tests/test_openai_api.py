@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from reference import hf_greedy, hf_model, with_early_eos
-from serving import Server
+from serving import KV_BLOCKS, Server
 
 MODEL = "tiny"
 EOS_PROMPT = "hello there"
@@ -37,7 +37,7 @@ def eos_model(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(eos_model):
-    s = Server(eos_model[0], "--served-model-name", MODEL, "--max-model-len", "512")
+    s = Server(eos_model[0], "--served-model-name", MODEL, "--max-model-len", "512", *KV_BLOCKS)
     yield s
     s.stop()
 

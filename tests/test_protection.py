@@ -15,7 +15,7 @@ import pytest
 from subway.client import Client, RequestError
 from subway.ipc.config import EngineConfig
 
-from serving import Server
+from serving import KV_BLOCKS, Server
 
 MODEL = "tiny"
 KEY = "sekret-key"
@@ -32,6 +32,7 @@ def server(tiny_models):
         "--max-num-seqs", "2",
         "--max-waiting", "2",
         "--max-model-len", str(CONTEXT),
+        *KV_BLOCKS,
     )  # fmt: skip
     yield s
     s.stop()

@@ -34,7 +34,7 @@ from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from subway.ipc.messages import Grammar
 
 from reference import compare, hf_greedy
-from serving import Server
+from serving import DEFAULT_FLAGS, Server
 
 MODEL = "m"
 
@@ -93,10 +93,8 @@ MAX_TOKENS = 90  # every schema's answer fits well within it
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    s = Server(default_model, "--served-model-name", MODEL, "--max-model-len", "1024")
-    yield s
-    s.stop()
+def server(servers, default_model):
+    return servers.get(default_model, *DEFAULT_FLAGS)
 
 
 @pytest.fixture(scope="module")

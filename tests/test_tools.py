@@ -331,12 +331,10 @@ def test_content_streams_before_a_call_and_only_a_marker_prefix_waits():
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    from serving import Server
+def server(servers, default_model):
+    from serving import DEFAULT_FLAGS
 
-    s = Server(default_model, "--served-model-name", "m")
-    yield s
-    s.stop()
+    return servers.get(default_model, *DEFAULT_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ float32 copy the engine keeps (`--bf16-matmul auto`, `widen_bf16`).
     python -m subway.tools.bench.bench_linear [--dtype bfloat16] [--threads 2]
 
 The linear layers of 30 SmolLM2-135M decoder layers (qkv 832x576, o 576x576,
-gate_up 3072x576, down 576x1536), each with its own weights so that they come
-from memory as in a real step, at several batch sizes; mean of 5 passes after
-one warm-up pass.
+gate_up 3072x576, down 576x1536; --layers), each with its own weights so that they come
+from memory as in a real step, at several batch sizes; mean of 5 passes (--passes)
+after one warm-up pass.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,4,16,64,512")
+    p.add_argument("--layers", type=int, default=30, help="decoder layers (the model has 30)")
+    p.add_argument("--passes", type=int, default=5, help="timed passes after the warm-up")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
+    layers = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(a.layers)]
     wide = dtype == torch.bfloat16 and widen_bf16("auto")
     packed = [[pack_weight(w.float() if wide else w, 64) for w in ws] for ws in layers]
     ops = int8_ops()
@@ -94,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         for fn in fns:
             fn()
             t = time.perf_counter()
-            for _ in range(5):
+            for _ in range(a.passes):
                 fn()
-            ms.append((time.perf_counter() - t) / 5 * 1e3)
+            ms.append((time.perf_counter() - t) / a.passes * 1e3)
         small = f" {ms[4]:.1f} | {ms[1] / ms[4]:.2f}x |" if len(ms) > 4 else " - | - |"
         print(
             f"| {b} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.1f} "
