@@ -16,6 +16,13 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Tests in parallel processes (`make test`: two): one OpenMP thread each, for the
+    # engines they start too (the worker's torch reads it). With two threads each, two
+    # engines' threads spin against each other on 2 cores: the run took longer than one
+    # process (over 12 minutes against 11; 7.6 with one thread each).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
