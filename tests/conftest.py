@@ -32,6 +32,9 @@ def _uses_the_serving_harness(module) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    """Marks `live` tests, and runs the live modules first (in their order): they are the
+    long ones, and two test processes (`make test`) finish together only when the many
+    short modules come last."""
     live = pytest.mark.live
     for item in items:
         module = getattr(item, "module", None)
@@ -39,6 +42,7 @@ def pytest_collection_modifyitems(config, items) -> None:
             module is not None and _uses_the_serving_harness(module)
         ):
             item.add_marker(live)
+    items.sort(key=lambda item: item.get_closest_marker("live") is None)  # stable
 
 
 @pytest.fixture(scope="session")
