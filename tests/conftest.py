@@ -12,6 +12,7 @@ that uses the serving harness (`tests/serving.py`, `subway.tools.serve_process`)
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -32,17 +33,27 @@ def _uses_the_serving_harness(module) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Marks `live` tests, and runs the live modules first (in their order): they are the
-    long ones, and two test processes (`make test`) finish together only when the many
-    short modules come last."""
+    """Marks `live` tests, and orders the modules longest kind first: the live ones, then
+    those that run the default model, then the rest (each kind in its own order). Two test
+    processes (`make test`) end together only when the many short modules come last."""
     live = pytest.mark.live
+    heavy: set[str] = set()
     for item in items:
         module = getattr(item, "module", None)
         if "servers" in getattr(item, "fixturenames", ()) or (
             module is not None and _uses_the_serving_harness(module)
         ):
             item.add_marker(live)
-    items.sort(key=lambda item: item.get_closest_marker("live") is None)  # stable
+        function = getattr(item, "function", None)
+        if function is not None and "default_model" in inspect.signature(function).parameters:
+            heavy.add(item.nodeid.split("::")[0])
+
+    def kind(item) -> int:
+        if item.get_closest_marker("live") is not None:
+            return 0
+        return 1 if item.nodeid.split("::")[0] in heavy else 2
+
+    items.sort(key=kind)  # stable: a module's tests stay together and in order
 
 
 @pytest.fixture(scope="session")

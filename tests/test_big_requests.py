@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from serving import TINY_FLAGS, Server
+from serving import KV_BLOCKS, TINY_FLAGS, Server
 
 
 def _big_schema() -> dict:
@@ -82,7 +82,7 @@ def test_n64_with_a_2mb_schema_is_served_and_others_stream_on(server):
 
 def test_a_request_larger_than_a_message_is_a_400(tiny_models):
     s = Server(tiny_models["llama"], "--served-model-name", "tiny", "--max-message-bytes",
-               str(1 << 20))  # fmt: skip
+               str(1 << 20), *KV_BLOCKS)  # fmt: skip
     try:
         body = {"model": "tiny", "prompt": "Say something", "max_tokens": 2,
                 "response_format": {"type": "json_schema",

@@ -21,7 +21,7 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.sockets import Sockets
 from subway.tools.launch import own_curve_keys
 
-from serving import Server, free_port
+from serving import KV_BLOCKS, Server, free_port
 
 FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -309,7 +309,7 @@ def test_serve_over_tcp_answers_and_leaves_no_key_file(tiny_models):
 
     addrs = {name: _loopback() for name in ("scheduler", "frontend", "plan", "result")}
     flags = [x for name, a in addrs.items() for x in (f"--{name}-addr", a)]
-    server = Server(tiny_models["llama"], "--served-model-name", "tiny", *flags)
+    server = Server(tiny_models["llama"], "--served-model-name", "tiny", *flags, *KV_BLOCKS)
     run_dir = EngineConfig.build(run_id=server.run_id).ipc.run_dir
     key_path = os.path.join(run_dir, curve.KEY_FILE_NAME)
     ctx = zmq.Context()

@@ -31,7 +31,7 @@ from subway.frontend.engine_client import RequestStream
 from subway.frontend.errors import APIError
 from subway.ipc.messages import Grammar, RequestDelta
 
-from serving import Server, until
+from serving import KV_BLOCKS, Server, until
 
 MB = 1 << 20
 
@@ -118,7 +118,9 @@ def test_slow_schemas_are_killed_at_the_limit_and_hold_nothing(tiny_models):
     both processes compile), a new schema then compiles at once, the stream keeps its
     pace (its longest gap under 3x the calm one + 0.5 s), and once answered nothing of
     the slow compiles runs (the frontend's processes idle: under 0.1 core)."""
-    s = Server(tiny_models["llama"], "--grammar-timeout", "1", "--max-model-len", "2048")
+    s = Server(
+        tiny_models["llama"], "--grammar-timeout", "1", "--max-model-len", "2048", *KV_BLOCKS
+    )
     try:
         frontend = s.child("frontend")
         with httpx.Client(base_url=s.url) as http:
@@ -184,7 +186,7 @@ def test_slow_schemas_are_killed_at_the_limit_and_hold_nothing(tiny_models):
 def test_distinct_large_schemas_do_not_grow_the_frontend(tiny_models):
     """60 distinct schemas of ~1 MB of text each (a long description, which compiles
     fast): the frontend keeps a digest of each, so its RSS grows by less than 24 MB."""
-    s = Server(tiny_models["llama"], "--max-model-len", "512")
+    s = Server(tiny_models["llama"], "--max-model-len", "512", *KV_BLOCKS)
     try:
         frontend = s.child("frontend")
         with httpx.Client(base_url=s.url, timeout=180) as http:
@@ -239,7 +241,8 @@ def test_a_stream_nobody_reads_is_cut_at_the_unread_bound(tiny_models):
     with finish_reason "abort" after a prefix of its output, and their engine requests are
     aborted: the engine stops well before the 400 steps the request would take. The
     frontend's RSS grows by less than 16 MB, and a stream read beside it is whole."""
-    s = Server(tiny_models["llama"], "--max-model-len", "1024", "--max-unread-tokens", "600")
+    s = Server(tiny_models["llama"], "--max-model-len", "1024", "--max-unread-tokens", "600",
+               *KV_BLOCKS)  # fmt: skip
     c = None
     try:
         frontend = s.child("frontend")

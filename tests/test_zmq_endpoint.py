@@ -41,7 +41,7 @@ from subway.ipc import curve
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import EngineReady, Grammar, SamplingParams
 
-from serving import Server, free_port
+from serving import KV_BLOCKS, Server, free_port
 
 KEY = "sekret-key"
 K = KEY.encode()
@@ -540,7 +540,7 @@ def test_serve_with_a_tcp_endpoint_admits_only_the_key_and_encrypts(
     api_key_file.chmod(0o600)
     address = _tcp()
     flags = ["--client-addr", address, "--client-curve-key-file", key_file]
-    flags += ["--api-key-file", str(api_key_file), "--max-model-len", "512"]
+    flags += ["--api-key-file", str(api_key_file), "--max-model-len", "512", *KV_BLOCKS]
     server = Server(tiny_models["qwen2"], *flags)
     prompt = "Subway trains run every few minutes because"
     tap = Tap(address)
