@@ -181,6 +181,12 @@ class _Dealer:
             req = GenerateRequest(prompt_token_ids=list(prompt), params=params)
         return rid, self._frames(rid, req)
 
+    def _unsent(self) -> GenerateError:
+        """What a request fails with when no connection could take it."""
+        return self._refusal or GenerateError(
+            CONNECTION_ERROR_ID, 503, f"no connection to {self.address} could take the request"
+        )
+
     def _frames(self, request_id: str, msg: GenerateRequest | AbortGenerate) -> list[bytes]:
         return envelope(self.api_key, request_id, _encoder.encode(msg))
 
@@ -230,10 +236,11 @@ class Client(_Dealer):
     def submit(self, prompt: str | list[int], request_id: str | None = None, **params) -> str:
         """Send a request; read its outputs with `outputs(request_id)`. Returns its id."""
         rid, frames = self._request(prompt, request_id, params, self._open)
-        self._sock.send_multipart(frames)
         self._open.add(rid)
         self._inbox[rid] = collections.deque()
-        if self._refusal is not None:  # refused before: this request is too
+        if not self._send_now(frames):
+            self._inbox[rid].append(self._unsent())
+        elif self._refusal is not None:  # refused before: this request is too
             self._inbox[rid].append(self._refusal)
         return rid
 
@@ -265,8 +272,18 @@ class Client(_Dealer):
 
     def abort(self, request_id: str) -> None:
         if request_id in self._open and not self._sock.closed:
-            self._sock.send_multipart(self._frames(request_id, AbortGenerate()))
+            self._send_now(self._frames(request_id, AbortGenerate()))  # best effort
         self._forget(request_id)
+
+    def _send_now(self, frames: list[bytes]) -> bool:
+        """Queue `frames` without waiting; False where no connection can take them. A
+        DEALER whose one peer refused its handshake may hold no pipe at all, and a
+        blocking send there waits forever (an abort after a 401 did, at random)."""
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _forget(self, request_id: str) -> None:
         self._open.discard(request_id)

@@ -182,6 +182,30 @@ def test_malformed_messages_get_error_answers_and_the_endpoint_serves_on(tmp_pat
     asyncio.run(main())
 
 
+def test_a_client_with_no_connection_fails_its_request_and_never_blocks(tmp_path):
+    """A DEALER without a pipe (as after a peer refused its handshake) cannot take a
+    message, and a blocking send waits forever: `Client.submit` fails the request (503)
+    and `abort` drops what it cannot send, both at once."""
+    address = f"ipc://{tmp_path}/nobody.sock"
+    done: dict = {}
+
+    def run() -> None:
+        with Client(address, api_key=KEY, timeout=5) as client:
+            client._sock.disconnect(address)  # the one pipe goes: nothing can be queued
+            with pytest.raises(RequestError) as e:
+                client.generate("x", max_tokens=2)
+            done["status"] = e.value.status
+            rid = client.submit("y")
+            client.abort(rid)
+            done["aborted"] = rid not in client._open
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "a send blocked"
+    assert done == {"status": 503, "aborted": True}
+
+
 def test_oversize_messages_are_refused(tmp_path):
     limit = 64 << 10
 
