@@ -18,17 +18,18 @@ serve: install
 
 # The default run leaves out the tests marked slow (the default model through several
 # engines, the other tiny archs of a feature already covered, the soak); test-all runs all.
-# Two test processes (pytest-xdist), a module each at a time; tests/conftest.py gives each
+# Two test processes (pytest-xdist), a module each at a time, in the order tests/conftest.py
+# gives them (longest kind first; not xdist's, by test count); conftest.py also gives each
 # process and the servers it starts one OpenMP thread.
 test: install
-	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The unit tier alone: no `subway serve` started (see tests/conftest.py).
 test-unit: install
-	$(PY) -m pytest -q -m "not slow and not live" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not slow and not live" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: install
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint:
 	ruff check . && ruff format --check .

@@ -34,8 +34,9 @@ def _uses_the_serving_harness(module) -> bool:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Marks `live` tests, and orders the modules longest kind first: the live ones, then
-    those that run the default model, then the rest (each kind in its own order). Two test
-    processes (`make test`) end together only when the many short modules come last."""
+    those that run a model (a test takes `default_model` or `tiny_models`), then the rest
+    (each kind in its own order). Two test processes (`make test`) end together only when
+    the many short modules come last."""
     live = pytest.mark.live
     heavy: set[str] = set()
     for item in items:
@@ -45,7 +46,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         ):
             item.add_marker(live)
         function = getattr(item, "function", None)
-        if function is not None and "default_model" in inspect.signature(function).parameters:
+        takes = inspect.signature(function).parameters if function is not None else {}
+        if "default_model" in takes or "tiny_models" in takes:
             heavy.add(item.nodeid.split("::")[0])
 
     def kind(item) -> int:
