@@ -416,7 +416,9 @@ def test_a_lease_is_released_when_its_copy_is_made_not_when_the_request_runs(tin
             return per_engine(s.url, "subway:kv_transfer_blocks_total").get("1", 0.0)
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            long = pool.submit(stream, [(7 * i) % 800 + 20 for i in range(40)], 300)
+            # 1000 tokens: long enough that the lease's release is seen (a /metrics
+            # scrape on a loaded machine) before it ends; 300 once ended 0.14 s before.
+            long = pool.submit(stream, [(7 * i) % 800 + 20 for i in range(40)], 1000)
             until(lambda: copied() >= 5, 60)  # the long one is on the decode engine
             short = pool.submit(stream, [(11 * i) % 800 + 30 for i in range(40)], 4)
             until(lambda: copied() >= 10, 60)  # the short one's blocks are copied
