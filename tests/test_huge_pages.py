@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import psutil
 import pytest
 import torch
 
@@ -31,8 +32,11 @@ def test_rehome_keeps_values_in_one_aligned_arena():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
-def test_kv_cache_is_zeroed_and_advised():
+def test_kv_cache_is_zeroed_and_advised_and_committed_only_where_written():
+    rss = psutil.Process().memory_info().rss
     caches = allocate_kv_cache(2, 4096, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
+    nbytes = sum(t.nbytes for kv in caches for t in kv)  # 64 MiB
+    assert psutil.Process().memory_info().rss - rss < nbytes // 8  # nothing written at start
     assert all(not k.any() and not v.any() for k, v in caches)
     assert all(t.data_ptr() % HUGE == 0 for kv in caches for t in kv)
     for k, v in caches:  # pages are committed on the first write (a read maps the zero page)

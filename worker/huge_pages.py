@@ -4,7 +4,7 @@ With 4 KiB pages every page a step reads costs a TLB miss; a decode step reads a
 weights, and decode attention reads KV blocks scattered over the pool. The served
 worker gets huge pages for every large allocation from glibc's malloc
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, set by the launcher); in any process the KV
-cache is mapped fresh and advised (`huge_empty`), and the plain weights of the one-row
+cache is mapped fresh and advised (`fresh_zeros`), and the plain weights of the one-row
 linear are copied into one such arena (`rehome`), which the offline `LLM` needs.
 Measured in docs/bench/log/2026-12-vs-vllm-avx512-amx.md ("Round 2: attention's
 softmax, huge pages"). Where the kernel's setting is "never",
@@ -22,16 +22,19 @@ import torch
 HUGE = 2 << 20  # a transparent huge page
 
 
-def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor in memory of its own, mapped fresh and advised for huge pages
-    (Linux), starting on a huge page. Fresh: memory from malloc may come from pages already
-    touched in small pages, which the advice does not change (glibc serves ever larger
-    blocks from its heap once large blocks have been freed). Pages are committed on first
-    touch; the mapping lives as long as the tensor (torch keeps the buffer)."""
+def fresh_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """A zero-filled CPU tensor in memory of its own, mapped fresh (anonymous memory is zero),
+    starting on a huge page and, with `huge`, advised for huge pages (Linux). Fresh: memory
+    from malloc may come from pages already touched in small pages, which the advice does
+    not change (glibc serves ever larger blocks from its heap once large blocks have been
+    freed). Nothing is written: each page is committed (zeroed by the kernel) when first
+    touched, so a cache of gigabytes costs nothing to make (`torch.zeros` writes it all: on
+    these VMs about 2 s a GiB, most of a default-model worker's start). The mapping lives as
+    long as the tensor (torch keeps the buffer)."""
     nbytes = math.prod(shape) * dtype.itemsize
     size = -(-max(nbytes, 1) // HUGE) * HUGE + HUGE  # room to start on a huge page
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if sys.platform.startswith("linux"):
+    if huge and sys.platform.startswith("linux"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: small pages, still correct
@@ -51,7 +54,7 @@ def rehome(params: list[torch.Tensor]) -> torch.Tensor | None:
         raise ValueError("rehome: CPU parameters of one dtype only")
     align = max(1, 64 // dtype.itemsize)
     sizes = [-(-p.numel() // align) * align for p in params]
-    arena = huge_empty((sum(sizes),), dtype)
+    arena = fresh_zeros((sum(sizes),), dtype)
     off = 0
     for p, n in zip(params, sizes, strict=True):
         view = arena[off : off + p.numel()].view_as(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from subway.kernels.attention import KV_SCALE_BYTES
-from subway.worker.huge_pages import huge_empty
+from subway.worker.huge_pages import fresh_zeros
 from subway.worker.model import KVCache
 
 
@@ -46,18 +46,17 @@ def allocate_kv_cache(
     of `dtype`, or with `kv_int8` int8 `[..., head_dim + 4]` (`kv_slot_layout`).
 
     Zero-filled: a padded (masked) key must never be NaN, or 0 * NaN leaks into softmax @ V.
-    On the CPU, in transparent huge pages where the kernel allows them (`huge_empty`):
-    decode attention reads blocks scattered over the pool, a TLB miss per 4 KiB page
-    otherwise.
+    On the CPU, fresh zero pages (`fresh_zeros`) committed as blocks are first written, not
+    at start (a 1 GiB pool took about 2 s of a worker's start to write), in transparent huge
+    pages where the kernel allows them: decode attention reads blocks scattered over the
+    pool, a TLB miss per 4 KiB page otherwise.
     """
     width, dtype = kv_slot_layout(head_dim, dtype, kv_int8)
     shape = (num_blocks, block_size, num_kv_heads, width)
 
     def one() -> torch.Tensor:
-        if device.type == "cpu" and huge_pages:
-            # Written once now, as torch.zeros would: the pages are committed here, not by
-            # page faults (2 MiB zeroed each) in the first steps that write there.
-            return huge_empty(shape, dtype).zero_()
+        if device.type == "cpu":
+            return fresh_zeros(shape, dtype, huge=huge_pages)
         return torch.zeros(shape, dtype=dtype, device=device)
 
     return [(one(), one()) for _ in range(num_layers)]
