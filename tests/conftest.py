@@ -24,6 +24,32 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # process (over 12 minutes against 11; 7.6 with one thread each).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _share_one_ssl_context() -> None:
+    """Every httpx client made without TLS settings (each `httpx.get(...)` makes one) shares
+    one default SSL context: each made its own, loading the CA bundle, 25 ms of CPU per call
+    against 0.2 ms, and the tests' polls of /health and /metrics call it every 20 ms. The
+    tests speak plain HTTP to loopback; no TLS setting changes."""
+    import functools
+
+    from httpx._transports import default
+
+    make = getattr(default, "create_ssl_context", None)
+    if make is None:  # another httpx: each call makes its own, as before
+        return
+
+    @functools.wraps(make)
+    def shared(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return context()
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    context = functools.cache(make)
+    default.create_ssl_context = shared
+
+
+_share_one_ssl_context()
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
@@ -56,6 +82,26 @@ def pytest_collection_modifyitems(config, items) -> None:
         return 1 if item.nodeid.split("::")[0] in heavy else 2
 
     items.sort(key=kind)  # stable: a module's tests stay together and in order
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """torch's thread count back to what it was after each test: a test that sets it (two
+    for a long model run, one for bitwise sums) sets it for itself, not for the tests that
+    follow in its process (in `make test`, two threads there meant two processes' threads
+    spinning against each other on 2 cores)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if before is None:  # torch's own default, as its first import chose it
+        before = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -241,7 +241,6 @@ def test_default_model_agrees_with_a_bfloat16_cache(default_model):
     average, 96% within 0.1; an int8 cache under float32 weights by 0.017, 98.5%."""
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(default_model)
     texts = [
         "The capital of France is",

@@ -300,7 +300,6 @@ def test_int8_greedy_output_agrees_with_unquantized_batched_chunked_preempted(
     tokens, would have
     picked at least AGREEMENT of them. (Free-running outputs are no measure: one near-tie
     flipped early and two greedy continuations part for good.)"""
-    torch.set_num_threads(2)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     q8 = LLM(
         path=default_model, dtype=dtype, quantization="int8", kv_cache_dtype=kv,
@@ -354,7 +353,6 @@ def test_int8_with_speculative_decoding_equals_int8_without(default_model):
     """Drafts are verified as extra rows of the same int8 matmuls (rows are independent:
     exact int32 sums, each row's own scale) and one-token rows of decode attention, so in
     float32 greedy output with drafts is the int8 engine's output without them."""
-    torch.set_num_threads(2)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model)
@@ -402,7 +400,6 @@ def test_int8_with_the_prefix_cache(default_model, prompts, kv):
     """Requests that share a long prefix, served one after another: the later ones read the
     first one's cached (int8, with `kv`) blocks, and their tokens still agree with the
     unquantized model's choices, teacher-forced, on AGREEMENT of them."""
-    torch.set_num_threads(2)
     shared = prompts[0] + prompts[3] + prompts[2]  # over two 16-token blocks
     tails = [shared + p for p in prompts[1:]]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -113,7 +113,6 @@ def test_default_model_through_the_gpu_linears_agrees_with_bfloat16(default_mode
     bfloat16 model, fed the same tokens, would have picked most of them."""
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(default_model)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -370,7 +370,6 @@ def test_default_model_greedy_with_speculation(default_model):
     decoding without drafts gives, and transformers (up to a verified near-tie)."""
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(default_model)
     text = (
         "The harbour was quiet at dawn. Fishing boats rocked on the grey water, and the gulls "
