@@ -165,6 +165,16 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     )
 
 
+def bench_main(what: str, argv: list[str]) -> int:
+    """`subway bench serve` (tools/bench/bench_serving.py) or `compare` (url_compare.py)."""
+    if what == "serve":
+        from subway.tools.bench.bench_serving import main as run
+    else:
+        from subway.tools.bench.url_compare import main as run
+    run(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="subway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     kg = sub.add_parser("keygen", help="write a new CurveZMQ key file (mode 0600) for "
                             "processes started one by one over tcp://")  # fmt: skip
     kg.add_argument("file", help="where to write it (never over an existing file)")
+    env = sub.add_parser("env", help="what a bug report needs: versions, CPU, kernel paths")
+    env.add_argument("--json", action="store_true", help="print the data as JSON")
+    bench = sub.add_parser("bench", help="serve: load a running server (any OpenAI-compatible "
+                           "URL); compare: two servers, alternately")  # fmt: skip
+    bench.add_argument("what", choices=("serve", "compare"))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="its flags (--help lists them)")
     for name in ("frontend", "scheduler", "worker"):
         p = sub.add_parser(name, help=f"start one {name} process")
         add_engine_args(p)
@@ -182,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "keygen":
         return keygen(args.file)
+    if args.command == "env":
+        from subway.tools.env_report import main as env_main
+
+        return env_main(["--json"] if args.json else [])
+    if args.command == "bench":
+        return bench_main(args.what, args.args)
     if args.command != "serve" and not args.run_id and not args.config_json:
         # One engine's processes must agree on names; a shared default would let two
         # engines on one host meet each other's sockets and buffers.

@@ -41,6 +41,7 @@ from subway.tools.health_watch import (  # noqa: F401 - UNHEALTHY_EXIT_S: also t
 )
 from subway.tools.limits import raise_fd_limit  # noqa: F401 - also the cli's
 
+STARTING_NOTE_S = 10.0  # while the engine starts, a line this often says what it waits for
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
@@ -319,6 +320,8 @@ def _supervise(
     ready = False
     watch = HealthWatch(probe)
     lost: set[int] = set()  # engines stopped after one of their processes died
+    started = time.monotonic()
+    note_at = started + STARTING_NOTE_S
     while not stop.requested:
         if _handle_exits(engines, procs, engine_of, lost):
             return 1
@@ -327,9 +330,15 @@ def _supervise(
             if failure is not None:
                 print(f"subway: {failure}; stopping", file=sys.stderr)
                 return 1
-        if not ready and probe.reason() is None:
-            ready = True
-            _announce(config, demo)
+        if not ready:
+            reason = probe.reason()
+            if reason is None:
+                ready = True
+                _announce(config, demo)
+            elif time.monotonic() >= note_at:  # a long start says what it waits for
+                note_at += STARTING_NOTE_S
+                print(f"subway: starting ({time.monotonic() - started:.0f} s): {reason}",
+                      flush=True)  # fmt: skip
         time.sleep(0.2)
     return 0
 

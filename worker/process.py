@@ -50,6 +50,7 @@ from subway.ipc.messages import (
 from subway.ipc.peers import this_host
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import Sockets
+from subway.progress import Ticker
 from subway.worker.kv_remote import Fetches, KvServer, is_remote
 from subway.worker.kv_share import Importer
 from subway.worker.parallel import init_distributed
@@ -149,7 +150,9 @@ class WorkerLoop:
                 resolve_device(config.model.device, rank),
                 config.parallel.collective_timeout,
             )
-        runner = self.runner = ModelRunner(config, rank, world)
+        what = f"worker {rank}: loading and preparing the weights of {config.model.path}"
+        with Ticker(what):  # a line every 10 s past the first 5: big models take minutes
+            runner = self.runner = ModelRunner(config, rank, world)
         # The model's many long-lived objects leave the collector's passes: in a batch-1 step
         # (`profile_step`, perf) a full pass over them took about 1.4% of the CPU time.
         gc.freeze()

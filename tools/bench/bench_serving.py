@@ -28,7 +28,12 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
-from subway.tools.bench.workload import Request, load_jsonl
+from subway.tools.bench.workload import (
+    Request,
+    add_workload_args,
+    load_jsonl,
+    workload_from_args,
+)
 
 SERVER_METRICS = (
     "subway:generation_tokens_total",
@@ -367,7 +372,12 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", required=True, help="JSONL from subway.tools.bench.workload")
+    p.add_argument(
+        "--workload",
+        default="",
+        help="JSONL from subway.tools.bench.workload (default: generate one from the "
+        "workload flags below, the headline workload as given)",
+    )
     p.add_argument("--limit", type=int, default=0, help="only the first N requests")
     p.add_argument("--model", default="", help="model name (default: the server's first)")
     p.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")
@@ -379,10 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-records", action="store_true", help="leave per-request records out")
     p.add_argument("--extra-body", default="", help="JSON object added to every request body")
     p.add_argument("--out", default="", help="JSON result file")
+    add_workload_args(p)
     a = p.parse_args(argv)
     result = benchmark(
-        a.base_url,
-        load_jsonl(a.workload, a.limit),
+        a.base_url.removesuffix("/").removesuffix("/v1"),
+        load_jsonl(a.workload, a.limit) if a.workload else workload_from_args(a),
         a.model,
         a.max_concurrency,
         Slo(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_ms),
