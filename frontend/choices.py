@@ -197,6 +197,7 @@ class ChoiceTiming:
         self.prompt_len = prompt_len
         self.step_time = step_time
         self.last_token_at: float | None = None
+        self.ttft: float | None = None
         self.num_tokens = 0
         self.finished = False
 
@@ -211,7 +212,8 @@ class ChoiceTiming:
                 if queue_time is None:  # the scheduler did not say: the first step's time out
                     step = self.step_time() if self.step_time else 0.0
                     queue_time = (now - self.arrival) - step
-                self.metrics.observe_first_token(now - self.arrival, queue_time)
+                self.ttft = now - self.arrival
+                self.metrics.observe_first_token(self.ttft, queue_time)
             else:
                 self.metrics.observe_inter_token(now - self.last_token_at)
             self.last_token_at = now
@@ -221,7 +223,9 @@ class ChoiceTiming:
         if self.metrics is not None and not self.finished:
             self.finished = True
             latency = time.time() - self.arrival
-            self.metrics.observe_finish(self.prompt_len, self.num_tokens, latency, reason)
+            self.metrics.observe_finish(
+                self.prompt_len, self.num_tokens, latency, reason, self.ttft
+            )
 
 
 async def _next_delta(

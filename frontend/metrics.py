@@ -160,6 +160,10 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request of more than one token: (end-to-end - TTFT) / (output tokens - 1).",
+        )
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to the first scheduled step."
         )
@@ -184,7 +188,7 @@ class Metrics:
         )
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-            self.queue_time,
+            self.tpot, self.queue_time,
         ):  # fmt: skip
             metric.labels(model_name)  # every series exists from the start, at 0
         for reason in ("stop", "length", "abort"):
@@ -213,13 +217,21 @@ class Metrics:
         self.itl.labels(m).observe(max(0.0, seconds))
 
     def observe_finish(
-        self, prompt_tokens: int, output_tokens: int, e2e: float, finish_reason: str
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        e2e: float,
+        finish_reason: str,
+        ttft: float | None = None,
     ) -> None:
-        """One engine request ended, however it ended (finish_reason "abort" when cut)."""
+        """One engine request ended, however it ended (finish_reason "abort" when cut);
+        `ttft`: when its first token came, if one did."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.success.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(max(0.0, e2e))
+        if ttft is not None and output_tokens > 1:
+            self.tpot.labels(m).observe(max(0.0, e2e - ttft) / (output_tokens - 1))
 
     def observe_grammar_compile(self, result: str, seconds: float) -> None:
         """One grammar compiled by the frontend's check: "cold", "cached" or "error"."""
