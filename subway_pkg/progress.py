@@ -41,3 +41,17 @@ class Ticker:
     ) -> None:
         self._done.set()
         self._thread.join()
+
+
+def run_step(what: str, cmd: list[str]) -> int:
+    """Run `cmd` (one step of `make install`), its output passed through, with a Ticker
+    line every 10 s: pip's quiet installs (torch alone unpacks for tens of seconds) and the
+    kernel build say nothing of their own. Returns its exit code."""
+    import subprocess
+
+    with Ticker(what):
+        return subprocess.call(cmd)
+
+
+if __name__ == "__main__":  # python subway_pkg/progress.py WHAT CMD... (before subway installs)
+    raise SystemExit(run_step(sys.argv[1], sys.argv[2:]))

@@ -44,46 +44,61 @@ def stock_python(folder: pathlib.Path) -> pathlib.Path:
     (lib / "EXTERNALLY-MANAGED").write_text(
         "[externally-managed]\nError=This Python is the system's (a stand-in for Debian 12's).\n"
     )
+    include = pathlib.Path(sysconfig.get_path("include"))  # python3-dev's headers: the
+    (folder / "include").mkdir()  # kernels' build needs them, as Debian's python3-dev gives
+    (folder / "include" / include.name).symlink_to(include)
     (folder / "bin").mkdir()
     real = pathlib.Path(os.path.realpath(base / "bin" / version))
     shutil.copy2(real, folder / "bin" / "python3")
     return folder / "bin" / "python3"
 
 
-def run_until(cmd: str, env: dict, cwd: pathlib.Path, done: str, within: float):
-    """Run `cmd` in a shell; (seconds until a line containing `done`, every line with the
-    time it came, the process). Fails with the output's tail if it ends or `within` passes."""
-    proc = subprocess.Popen(
-        cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    t0 = time.monotonic()
-    lines: list[tuple[float, str]] = []
-    buf = b""
-    while True:
-        left = within - (time.monotonic() - t0)
-        if left <= 0:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{cmd}: no {done!r} within {within} s:\n" + _tail(lines))
-        ready, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
-        if not ready:
-            continue
-        chunk = os.read(proc.stdout.fileno(), 65536)
-        if not chunk:
-            proc.wait()
-            pytest.fail(f"{cmd} exited ({proc.returncode}) before {done!r}:\n" + _tail(lines))
-        buf += chunk
-        *complete, buf = re.split(rb"[\r\n]", buf)
-        for raw in complete:
-            line = raw.decode(errors="replace")
-            lines.append((time.monotonic() - t0, line))
-            if done in line:
-                return lines[-1][0], lines, proc
+class Output:
+    """A command's merged output, read line by line as it comes, each line with its time."""
 
+    def __init__(self, cmd: str, env: dict, cwd: pathlib.Path) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(
+            cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.t0 = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        self._buf = b""
 
-def _tail(lines: list[tuple[float, str]]) -> str:
-    return "\n".join(f"{t:7.1f} {line}" for t, line in lines[-40:])
+    def until(self, done: str | None, within: float) -> float:
+        """Seconds since the start when a line containing `done` came (None: until the
+        output ends). Fails with the output's tail if it ends first or `within` passes."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                pytest.fail(f"{self.cmd}: no {done!r} within {within} s:\n" + self.tail())
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                self.proc.wait()
+                if done is None:
+                    return time.monotonic() - self.t0
+                pytest.fail(f"{self.cmd} ended ({self.proc.returncode}) before {done!r}:\n"
+                            + self.tail())  # fmt: skip
+            self._buf += chunk
+            *complete, self._buf = re.split(rb"[\r\n]", self._buf)
+            for raw in complete:
+                line = raw.decode(errors="replace")
+                self.lines.append((time.monotonic() - self.t0, line))
+                if done is not None and done in line:
+                    return self.lines[-1][0]
+
+    def tail(self) -> str:
+        return "\n".join(f"{t:7.1f} {line}" for t, line in self.lines[-40:])
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
 
 
 def _longest_silence(lines: list[tuple[float, str]]) -> tuple[float, str]:
@@ -111,12 +126,18 @@ def test_the_readme_commands_work_on_an_externally_managed_python(tmp_path):
     env.update(HOME=str(home), PATH=f"{python.parent}:{env['PATH']}")
 
     serve, demo = readme_commands()
-    took, lines, proc = run_until(serve, env, clone, "subway: demo<", within=1500)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as the README says
-    assert proc.wait(timeout=60) == 0
-    silence, before = _longest_silence(lines)
+    out = Output(serve, env, clone)
+    took = out.until("subway: demo<", within=1500)
+    silence, before = _longest_silence(out.lines)
+    os.killpg(out.proc.pid, signal.SIGINT)  # Ctrl-C, as the README says
+    out.until(None, within=60)
+    (tmp_path / "make-serve.log").write_text(out.text())
     print(f"\n`make serve` on a fresh clone: demo answer after {took:.0f} s; longest silence "
-          f"{silence:.0f} s (after: {before!r})")  # fmt: skip
+          f"{silence:.0f} s (after: {before!r}); log {tmp_path / 'make-serve.log'}")  # fmt: skip
+    assert "subway: stopped (exit 0)" in out.text(), out.tail()
+    assert "CPU kernels unavailable" not in out.text()
+    assert (home / ".cache" / "subway" / "ext" / "subway_cpu_kernels.so").exists()
+    assert silence <= 12.0, f"{silence:.0f} s without a line, after {before!r}"
     assert (clone / ".venv" / "bin" / "subway").exists()
     assert not any((python.parent.parent / "lib").glob("*/site-packages/*"))  # all in .venv
 
