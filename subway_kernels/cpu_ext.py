@@ -1,7 +1,8 @@
 """The CPU kernels in `subway_kernels/csrc/`, compiled on first use with torch's C++ extension builder.
 
-The build is cached (under ~/.cache/subway/ext, or $SUBWAY_CACHE/ext) and compiled
-for the machine it runs on. torch guards a build with a lock file that a
+The build is cached (under ~/.cache/subway/ext/<key>, or $SUBWAY_CACHE/ext/<key>: one folder
+per Python environment and checkout, `cache_dir.kernel_build_dir`) and compiled for the
+machine it runs on. torch guards a build with a lock file that a
 killed build leaves behind, and every later load would wait for it forever;
 so a load first takes an `flock` of its own (the kernel drops it when its
 holder dies), and under it any torch lock file left in the folder is stale. Where there is no compiler `load()` returns None and
@@ -31,10 +32,13 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _build_dir() -> str:
-    from subway.cache_dir import cache_root
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 
-    path = os.path.join(cache_root(), "ext")
+
+def _build_dir() -> str:
+    from subway.cache_dir import kernel_build_dir
+
+    path = kernel_build_dir(CSRC)
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -50,7 +54,6 @@ def load():
         try:
             from torch.utils import cpp_extension
 
-            csrc = os.path.join(os.path.dirname(__file__), "csrc")
             build = _build_dir()
             with open(os.path.join(build, "subway.flock"), "w") as guard:
                 fcntl.flock(guard, fcntl.LOCK_EX)  # another process's build: wait for it
@@ -62,7 +65,7 @@ def load():
                 with Ticker(what):
                     module = cpp_extension.load(
                         name="subway_cpu_kernels",
-                        sources=[os.path.join(csrc, f) for f in SOURCES],
+                        sources=[os.path.join(CSRC, f) for f in SOURCES],
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                         extra_ldflags=["-fopenmp"],
                         build_directory=build,

@@ -15,7 +15,7 @@ from subway.progress import Ticker
 from subway.tools import env_report
 from subway.tools.bench import url_compare
 
-from serving import TINY_FLAGS
+from serving import TINY_FLAGS, Server
 
 CLI = [sys.executable, "-m", "subway.tools.cli"]
 
@@ -119,3 +119,26 @@ def test_bench_compare_alternates_two_urls_and_prints_each_rounds_ratio(server, 
     assert len(rows) == 2
     ratios = [float(r.split("|")[4]) for r in rows]
     assert all(r > 0 for r in ratios) and "throughput B/A: median" in text
+
+
+def test_a_server_in_a_with_block_stops_when_the_block_raises(tiny_models):
+    with pytest.raises(RuntimeError, match="the script failed"):
+        with Server(tiny_models["llama"], *TINY_FLAGS) as server:
+            raise RuntimeError("the script failed")
+    assert server.proc.poll() == 0 and not server.leftovers()
+
+
+def test_each_environment_and_checkout_builds_the_kernels_in_a_folder_of_its_own(
+    monkeypatch, tmp_path
+):
+    from subway import cache_dir
+    from subway.kernels import cpu_ext
+
+    monkeypatch.setenv("SUBWAY_CACHE", str(tmp_path))
+    here = cache_dir.kernel_build_dir("/a/checkout/csrc")
+    assert here == cache_dir.kernel_build_dir("/a/checkout/csrc")
+    assert here.startswith(str(tmp_path / "ext"))
+    assert cache_dir.kernel_build_dir("/another/checkout/csrc") != here
+    assert env_report.built_kernels()["folder"] == cpu_ext._build_dir()  # env looks there
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    assert cache_dir.kernel_build_dir("/a/checkout/csrc") != here

@@ -136,7 +136,7 @@ def test_the_readme_commands_work_on_an_externally_managed_python(tmp_path):
           f"{silence:.0f} s (after: {before!r}); log {tmp_path / 'make-serve.log'}")  # fmt: skip
     assert "subway: stopped (exit 0)" in out.text(), out.tail()
     assert "CPU kernels unavailable" not in out.text()
-    assert (home / ".cache" / "subway" / "ext" / "subway_cpu_kernels.so").exists()
+    assert list((home / ".cache" / "subway" / "ext").glob("*/subway_cpu_kernels.so"))
     assert silence <= 12.0, f"{silence:.0f} s without a line, after {before!r}"
     assert (clone / ".venv" / "bin" / "subway").exists()
     assert not any((python.parent.parent / "lib").glob("*/site-packages/*"))  # all in .venv

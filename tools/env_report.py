@@ -101,9 +101,17 @@ def kernel_paths(cpu: Cpu) -> list[tuple[str, str, str]]:
     ]
 
 
-def built_kernels(cache: str) -> dict[str, object]:
-    """Where the compiled kernels are (or would be built) and whether they are there."""
-    folder = os.path.join(cache, "ext")
+def built_kernels() -> dict[str, object]:
+    """Where the compiled kernels are (or would be built) for this environment and
+    checkout, and whether they are there. The sources are found without importing the
+    kernels' package (its modules import torch)."""
+    from importlib.util import find_spec
+
+    from subway.cache_dir import kernel_build_dir
+
+    spec = find_spec("subway.kernels")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    folder = kernel_build_dir(os.path.join(locations[0], "csrc")) if locations else "?"
     lib = os.path.join(folder, f"{EXT_NAME}.so")
     compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
     out: dict[str, object] = {"folder": folder, "built": os.path.exists(lib), "compiler": compiler}
@@ -164,7 +172,7 @@ def collect() -> dict[str, object]:
             "flags": [f for f in FLAGS if f in cpu.flags],
         },  # fmt: skip
         "kernels": [{"op": o, "path": p, "why": w} for o, p, w in kernel_paths(cpu)],
-        "cpu_ext": built_kernels(cache),
+        "cpu_ext": built_kernels(),
         "default_model": {
             "folder": model_dir,
             "ready": os.path.exists(os.path.join(model_dir, "config.json")),

@@ -321,7 +321,7 @@ def _supervise(
     watch = HealthWatch(probe)
     lost: set[int] = set()  # engines stopped after one of their processes died
     started = time.monotonic()
-    note_at = started + STARTING_NOTE_S
+    note_at, said = started + STARTING_NOTE_S, ""
     while not stop.requested:
         if _handle_exits(engines, procs, engine_of, lost):
             return 1
@@ -335,12 +335,21 @@ def _supervise(
             if reason is None:
                 ready = True
                 _announce(config, demo)
-            elif time.monotonic() >= note_at:  # a long start says what it waits for
-                note_at += STARTING_NOTE_S
-                print(f"subway: starting ({time.monotonic() - started:.0f} s): {reason}",
+            elif (waiting := _waiting_for(reason)) != said or time.monotonic() >= note_at:
+                # A start says each stage as it is reached, and every 10 s what it waits for.
+                note_at, said = time.monotonic() + STARTING_NOTE_S, waiting
+                print(f"subway: starting ({time.monotonic() - started:.0f} s): {waiting}",
                       flush=True)  # fmt: skip
         time.sleep(0.2)
     return 0
+
+
+def _waiting_for(reason: str) -> str:
+    """The probe's reason in a new user's words: before the frontend answers, its socket's
+    error; after, the engines' state as the frontend says it."""
+    if reason.startswith("no answer"):
+        return "processes started; waiting for the frontend"
+    return f"the frontend is up; waiting for the engine ({reason}: loading the model)"
 
 
 def _handle_exits(

@@ -114,7 +114,7 @@ def engine_processes(serve_pid: int) -> dict[str, psutil.Process]:
 
 class ServeProcess:
     """`subway serve` as a subprocess on a free port, with a run id of its own (`prefix`
-    and 8 hex digits), logging to a temporary file; healthy once constructed.
+    and 8 hex digits), logging to a temporary file; healthy once constructed; a context manager that stops it on leaving.
 
     `model` "" means the default model; `flags` are more `serve` flags; `whole`: wait
     until every engine serves (`/health` "ok"), not only one ("degraded"): a test of
@@ -199,6 +199,14 @@ class ServeProcess:
         return out
 
     # ------------------------------------------------------------ ending it
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """`with ServeProcess(...) as s:` stops it however the block ends: a script that
+        raised once left its servers running (one of ours did, for an hour)."""
+        self.stop()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Send `sig` and return serve's exit code; None if it did not exit within
