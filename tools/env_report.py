@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
+import psutil
+
 PACKAGES = ("subway", "torch", "transformers", "tokenizers", "xgrammar", "pyzmq", "msgspec",
             "triton", "numpy", "gguf", "uvloop", "psutil")  # fmt: skip
 # The CPU flags the kernels are compiled for (Linux /proc/cpuinfo names).
@@ -148,16 +150,10 @@ def collect() -> dict[str, object]:
     model_dir = os.path.join(cache, DEFAULT_MODEL_NAME)
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     threads = os.environ.get("OMP_NUM_THREADS")
-    try:
-        import psutil
-
-        mem = psutil.virtual_memory()
-        memory = {
-            "total_gb": round(mem.total / 2**30, 1),
-            "free_gb": round(mem.available / 2**30, 1),
-        }
-    except ImportError:
-        memory = {}
+    mem = psutil.virtual_memory()
+    memory = {"total_gb": round(mem.total / 2**30, 1), "free_gb": round(mem.available / 2**30, 1)}
+    # torch's default, where OMP_NUM_THREADS is unset: one thread per physical core.
+    physical = min(psutil.cpu_count(logical=False) or cpu.cores, cpu.cores)
     return {
         "python": {
             "version": platform.python_version(),
@@ -180,9 +176,7 @@ def collect() -> dict[str, object]:
         "dev_shm_free_gb": round(shm.free / 2**30, 1) if shm else None,
         "memory": memory,
         "transparent_huge_pages": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
-        "serve_threads": int(threads)
-        if threads and threads.isdigit()
-        else cpu.cores,  # torch's default: one per core (--threads overrides)
+        "serve_threads": int(threads) if threads and threads.isdigit() else physical,
         "gpu": {
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "nvidia_smi": shutil.which("nvidia-smi"),
@@ -203,8 +197,7 @@ def render(info: dict) -> str:
     lines.append(f"CPU           {cpu['model']}, {cpu['cores']} cores usable")
     lines.append(f"CPU flags     {' '.join(cpu['flags']) or 'none of ' + ' '.join(FLAGS)}")
     mem = info["memory"]
-    if mem:
-        lines.append(f"Memory        {mem['total_gb']} GiB, {mem['free_gb']} GiB available")
+    lines.append(f"Memory        {mem['total_gb']} GiB, {mem['free_gb']} GiB available")
     lines.append(f"/dev/shm      {info['dev_shm_free_gb']} GiB free")
     lines.append(f"Huge pages    {info['transparent_huge_pages']}")
     lines.append(f"serve threads {info['serve_threads']} per worker (--threads, OMP_NUM_THREADS)")
