@@ -26,6 +26,7 @@ install: $(VPY)
 	@# ~/.cache/subway (else on first use: a server's first start, the first test).
 	$(STEP) "converting the default model" $(VPY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"
 	@# Without them the PyTorch references serve, several times slower: said loudly, not failed.
+	@echo "make: the C++ CPU kernels (built once for each environment: about 100 s on 2 cores)"
 	@$(VPY) -c "from subway.kernels import cpu_ext; cpu_ext.load() or print('make: WARNING: the C++ CPU kernels did not build (the reason is above); Subway will run the PyTorch references, several times slower. Debian/Ubuntu: sudo apt install g++ python3-dev, then make install again.')"
 
 serve: install
