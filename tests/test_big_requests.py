@@ -128,8 +128,9 @@ def test_a_slow_grammar_waits_outside_the_batch(server):
 
 def test_many_distinct_slow_grammars_do_not_stall_another_stream(server):
     """Six distinct slow schemas at once (each seconds to compile, in the frontend's check
-    and then on the worker): each ends alone (200, or a 400 that says why), and another
-    client's stream goes on with no gap above a second."""
+    and then on the worker): each ends alone (200, a 400 that says why, or on a loaded
+    machine the 503 "busy" of a request that found no grammar compiler free within its
+    wait), and another client's stream goes on with no gap above a second."""
     out: dict = {"flowing": threading.Event()}
     t = threading.Thread(target=_stream_gaps, args=(server.url, out, 600))
     t.start()
@@ -151,7 +152,8 @@ def test_many_distinct_slow_grammars_do_not_stall_another_stream(server):
     t.join(300)
     assert len(codes) == 6
     assert all(code == 200 or (code == 400 and "grammar" in text.lower())
-               for code, text in codes), codes  # fmt: skip
+               or (code == 503 and "busy" in text) for code, text in codes), codes  # fmt: skip
+    assert any(code == 200 for code, _ in codes), codes
     print("codes", [c for c, _ in codes], "largest gap", out["max_gap"])
     assert out["tokens"] == 600, out
     assert out["max_gap"] < 1.0, out

@@ -142,3 +142,13 @@ def test_each_environment_and_checkout_builds_the_kernels_in_a_folder_of_its_own
     assert env_report.built_kernels()["folder"] == cpu_ext._build_dir()  # env looks there
     monkeypatch.setattr(sys, "prefix", "/another/venv")
     assert cache_dir.kernel_build_dir("/a/checkout/csrc") != here
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    """Ports the kernel gives outgoing connections never collide with a test server's:
+    free_port picks below that range (a start once failed on "Address already in use")."""
+    from subway.tools.serve_process import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(10_000 <= p < low for p in ports) and len(ports) > 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,12 +28,34 @@ LOG_TAIL = 8000  # characters of the log that a failed start's error carries
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (IPv6 where it has a colon) at the time of asking; another
-    process may still take it before the caller binds it."""
+    """A TCP port free on `host` (IPv6 where it has a colon) at the time of asking, picked
+    at random below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
+    is one that any process's next outgoing connection may take as its source port before
+    the caller binds it (a test server once failed to start on "Address already in use").
+    Another process may still take it, rarely; then the kernel's choice."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10_000, low)
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), else IANA's 49152."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+    return low if low > 10_001 else 49152
 
 
 def health(url: str) -> int:
