@@ -59,8 +59,8 @@ def load():
                 fcntl.flock(guard, fcntl.LOCK_EX)  # another process's build: wait for it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(build, "lock"))  # torch's, from a killed build
-                # Cached, this takes well under a second; a build (once per machine and
-                # source change) about 100 s on 2 cores, said every 10 s.
+                # Cached, this takes well under a second; a build (once per environment,
+                # checkout and source change) about 100 s on 2 cores, said every 10 s.
                 what = f"building the C++ CPU kernels into {build} (about 100 s on 2 cores)"
                 with Ticker(what):
                     module = cpp_extension.load(

@@ -46,7 +46,7 @@ class Ticker:
 def run_step(what: str, cmd: list[str]) -> int:
     """Run `cmd` (one step of `make install`), its output passed through, with a Ticker
     line every 10 s: pip's quiet installs (torch alone unpacks for tens of seconds) and the
-    kernel build say nothing of their own. Returns its exit code."""
+    model's conversion say nothing of their own. Returns its exit code."""
     import subprocess
 
     with Ticker(what):

@@ -118,6 +118,7 @@ def test_bench_compare_alternates_two_urls_and_prints_each_rounds_ratio(server, 
     ]
     assert len(rows) == 2
     ratios = [float(r.split("|")[4]) for r in rows]
+    assert all(r.split("|")[7].strip() == "0 / 0" for r in rows)  # failed A / B
     assert all(r > 0 for r in ratios) and "throughput B/A: median" in text
 
 
@@ -152,3 +153,11 @@ def test_free_ports_lie_below_the_ephemeral_range():
     low = _ephemeral_low()
     ports = {free_port() for _ in range(20)}
     assert all(10_000 <= p < low for p in ports) and len(ports) > 1
+
+
+def test_a_starting_serve_says_what_it_waits_for_in_plain_words():
+    from subway.tools.launch import _waiting_for
+
+    assert "waiting for the frontend" in _waiting_for("no answer on /tmp/x/live.sock (gone)")
+    assert _waiting_for("engine not ready").endswith("(loading the model)")
+    assert _waiting_for("engine silent").endswith("(engine silent)")

@@ -346,10 +346,13 @@ def _supervise(
 
 def _waiting_for(reason: str) -> str:
     """The probe's reason in a new user's words: before the frontend answers, its socket's
-    error; after, the engines' state as the frontend says it."""
+    error; after, the engines' state as the frontend says it ("engine not ready" while a
+    worker loads its model)."""
     if reason.startswith("no answer"):
         return "processes started; waiting for the frontend"
-    return f"the frontend is up; waiting for the engine ({reason}: loading the model)"
+    if reason == "engine not ready":
+        return "the frontend is up; waiting for the engine (loading the model)"
+    return f"the frontend is up; waiting for the engine ({reason})"
 
 
 def _handle_exits(

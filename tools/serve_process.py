@@ -137,7 +137,8 @@ def engine_processes(serve_pid: int) -> dict[str, psutil.Process]:
 
 class ServeProcess:
     """`subway serve` as a subprocess on a free port, with a run id of its own (`prefix`
-    and 8 hex digits), logging to a temporary file; healthy once constructed; a context manager that stops it on leaving.
+    and 8 hex digits), logging to a temporary file; healthy once constructed; as a context
+    manager, stopped on leaving the block.
 
     `model` "" means the default model; `flags` are more `serve` flags; `whole`: wait
     until every engine serves (`/health` "ok"), not only one ("degraded"): a test of

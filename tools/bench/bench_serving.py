@@ -369,6 +369,16 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def base_url(url: str) -> str:
+    """A server's base URL as given (`http://host:port`, with or without `/v1`): the base."""
+    return url.removesuffix("/").removesuffix("/v1")
+
+
+def requests_from_args(a: argparse.Namespace) -> list[Request]:
+    """`--workload FILE` (its first `--limit`), else the workload the workload flags make."""
+    return load_jsonl(a.workload, a.limit) if a.workload else workload_from_args(a)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -392,8 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     add_workload_args(p)
     a = p.parse_args(argv)
     result = benchmark(
-        a.base_url.removesuffix("/").removesuffix("/v1"),
-        load_jsonl(a.workload, a.limit) if a.workload else workload_from_args(a),
+        base_url(a.base_url),
+        requests_from_args(a),
         a.model,
         a.max_concurrency,
         Slo(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_ms),

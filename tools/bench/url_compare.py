@@ -15,14 +15,15 @@ import json
 import statistics
 from typing import Any
 
-from subway.tools.bench.bench_serving import benchmark
-from subway.tools.bench.workload import add_workload_args, load_jsonl, workload_from_args
+from subway.tools.bench.bench_serving import base_url, benchmark, requests_from_args
+from subway.tools.bench.workload import add_workload_args
 
 KEYS = ("output_throughput", "ttft_ms", "itl_ms")
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
-    """Output tok/s and the TTFT and ITL medians (ms) of one run."""
+    """Output tok/s, the TTFT and ITL medians (ms) and the failed requests of one run (a
+    side that fails requests has a ratio that means little: the table shows them)."""
     m = result["metrics"]
     return {
         "output_throughput": m["output_throughput"],
@@ -54,14 +55,15 @@ def compare(
 
 def format_table(out: dict[str, Any]) -> str:
     lines = [f"A = {out['urls']['a']}", f"B = {out['urls']['b']}", "",
-             "| round | A tok/s | B tok/s | B/A | TTFT p50 A / B (ms) | ITL p50 A / B (ms) |",
-             "|---:|---:|---:|---:|---|---|"]  # fmt: skip
+             "| round | A tok/s | B tok/s | B/A | TTFT p50 A / B (ms) | ITL p50 A / B (ms) "
+             "| failed A / B |",
+             "|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
     for i, r in enumerate(out["rounds"], 1):
         a, b = r["a"], r["b"]
         lines.append(
             f"| {i} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
             f"{r['ratio']['output_throughput']:.3f} | {a['ttft_ms']:.0f} / {b['ttft_ms']:.0f} | "
-            f"{a['itl_ms']:.1f} / {b['itl_ms']:.1f} |"
+            f"{a['itl_ms']:.1f} / {b['itl_ms']:.1f} | {a['failed']} / {b['failed']} |"
         )
     t = out["throughput_ratio"]
     lines.append(f"\nthroughput B/A: median {t['median']:.3f}, {t['min']:.3f} to {t['max']:.3f}")
@@ -75,14 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--b", required=True, help="base URL of server B")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workload", default="", help="JSONL (default: from the workload flags)")
+    p.add_argument("--limit", type=int, default=0, help="only the file's first N requests")
     p.add_argument("--model", default="", help="model name (default: each server's first)")
     p.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")
     p.add_argument("--out", default="", help="JSON result file")
     add_workload_args(p)
     a = p.parse_args(argv)
-    requests = load_jsonl(a.workload) if a.workload else workload_from_args(a)
-    urls = {k: u.removesuffix("/").removesuffix("/v1") for k, u in (("a", a.a), ("b", a.b))}
-    out = compare(urls, requests, a.rounds, a.model, a.max_concurrency)
+    urls = {"a": base_url(a.a), "b": base_url(a.b)}
+    out = compare(urls, requests_from_args(a), a.rounds, a.model, a.max_concurrency)
     print(format_table(out))
     if a.out:
         with open(a.out, "w") as f:
