@@ -67,6 +67,7 @@ class ChoiceSpec:
     slo_ttft_ms: float | None = None
     slo_class: str = "interactive"
     logprobs_param: str = "logprobs"  # the request's field that asks top logprobs
+    lora: int = 0  # its LoRA adapter's id (`Job.lora`); 0: the base model
 
 
 @dataclass
@@ -99,6 +100,7 @@ def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]
                     slo_ttft_ms=req.slo_ttft_ms,
                     slo_class=req.slo_class,
                     logprobs_param="top_logprobs" if hasattr(req, "top_logprobs") else "logprobs",
+                    lora=job.lora,
                 )
             )
     return specs
@@ -337,6 +339,7 @@ class ChoiceGroup:
                         priority=s.priority,
                         slo_ttft_ms=s.slo_ttft_ms,
                         slo_class=s.slo_class,
+                        lora=s.lora,
                     )
                 )
         except BaseException:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from subway.frontend.engine_client import RequestStream
-from subway.ipc.messages import EngineReady, EngineStats, SamplingParams
+from subway.ipc.messages import AddLora, EngineReady, EngineStats, RemoveLora, SamplingParams
 
 
 @runtime_checkable
@@ -61,6 +61,9 @@ class Engine(Protocol):
 
     def abort_all(self) -> int:
         """Abort every request in flight; how many."""
+
+    def send_lora(self, msg: AddLora | RemoveLora) -> None:
+        """Tell every scheduler of a LoRA adapter served from now on, or no longer."""
 
     async def start(self) -> None: ...
 

@@ -39,8 +39,11 @@ from subway.frontend.scheduler_link import EngineDeadError, SchedulerLink
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     AbortRequest,
+    AddLora,
     AddRequest,
     KvLease,
+    LoraAdapter,
+    RemoveLora,
     RequestDelta,
     SamplingParams,
 )
@@ -203,7 +206,7 @@ class EngineClient:
         self.link = SchedulerLink(
             config, self._route, self._fail_all, heartbeat_timeout, fail_after
         )
-        self.link.on_new_scheduler = self._release_aborted
+        self.link.on_new_scheduler = self._on_new_scheduler
         self.ring = PromptRing()  # its shared memory is created by `start`
         self._aborted: set[str] = set()  # aborted, their prompt runs held until a delta
         self._streams: dict[str, RequestStream] = {}
@@ -211,6 +214,10 @@ class EngineClient:
         self._queued_tokens = 0  # their sum
         self.num_unread = 0  # what the streams hold unread (`RequestStream.unread`), in all
         self._cutting = False
+        # LoRA changes made at runtime, told again to a scheduler that (re)starts: adapters
+        # loaded and still served, and `--lora-modules` ones unloaded (`send_lora`).
+        self._loras_added: dict[int, LoraAdapter] = {}
+        self._loras_removed: set[int] = set()
 
     @property
     def num_in_flight(self) -> int:
@@ -285,6 +292,7 @@ class EngineClient:
         slo_class: str = "interactive",
         handoff: bool = False,
         kv_source: KvLease | None = None,
+        lora: int = 0,
     ) -> RequestStream:
         """Send one request to the scheduler now; its deltas come through the returned stream.
 
@@ -311,6 +319,7 @@ class EngineClient:
                     slo_class=slo_class,
                     handoff=handoff,
                     kv_source=kv_source,
+                    lora=lora,
                 )
             )
         except BaseException:
@@ -338,6 +347,18 @@ class EngineClient:
                 yield delta
         finally:
             stream.close()
+
+    def send_lora(self, msg: AddLora | RemoveLora) -> None:
+        """Tell the scheduler that an adapter is served from now on, or no longer (its
+        requests in flight finish first). Remembered: a scheduler that starts again after
+        this is told again (`_on_new_scheduler`). A scheduler out of reach is not an error:
+        it is told when it greets us."""
+        if isinstance(msg, AddLora):
+            self._loras_added[msg.adapter.lora_id] = msg.adapter
+        elif self._loras_added.pop(msg.lora_id, None) is None:
+            self._loras_removed.add(msg.lora_id)  # a --lora-modules one: the config has it
+        with contextlib.suppress(EngineDeadError):
+            self.link.send(msg)
 
     def abort_all(self) -> int:
         """Abort every request in flight: the scheduler drops them, and each stream ends
@@ -404,11 +425,17 @@ class EngineClient:
             if stream is not None:
                 stream.put(delta)
 
-    def _release_aborted(self) -> None:
-        """A new scheduler: the old one, which could still have read them, is gone."""
+    def _on_new_scheduler(self) -> None:
+        """A new scheduler: the old one, which could still have read the aborted requests'
+        prompts, is gone; the new one knows only the config's adapters."""
         for request_id in self._aborted:
             self.ring.release(request_id)
         self._aborted.clear()
+        with contextlib.suppress(EngineDeadError):
+            for lora_id in sorted(self._loras_removed):
+                self.link.send(RemoveLora(lora_id))
+            for adapter in self._loras_added.values():
+                self.link.send(AddLora(adapter))
 
     def _fail_all(self, error: EngineDeadError) -> None:
         for stream in self._streams.values():

@@ -17,7 +17,7 @@ from subway.frontend.handoff import HandoffStream, can_hand_off
 from subway.frontend.router import Load, PrefixRouter, Route
 from subway.frontend.scheduler_link import EngineDeadError
 from subway.ipc.config import EngineConfig
-from subway.ipc.messages import EngineReady, EngineStats, SamplingParams
+from subway.ipc.messages import AddLora, EngineReady, EngineStats, RemoveLora, SamplingParams
 
 
 class EngineGroup:
@@ -146,6 +146,12 @@ class EngineGroup:
 
     def abort_all(self) -> int:
         return sum(c.abort_all() for c in self.clients)
+
+    def send_lora(self, msg: AddLora | RemoveLora) -> None:
+        """A LoRA adapter served from now on, or no longer: every engine is told (any may
+        get a request for it)."""
+        for c in self.clients:
+            c.send_lora(msg)
 
     def health(self) -> tuple[bool, list[dict]]:
         """(can serve, each engine's state): serving, not ready, silent, or its error."""

@@ -4,7 +4,8 @@
 turn a request into a `Job`: its prompts' ids and, per prompt, the
 SamplingParams of its choices. Everything that needs the tokenizer or the
 engine's limits (context length, vocabulary) is checked here; failures are
-400s (404 for another model).
+400s (404 for a model that is neither the served one nor one of
+its LoRA adapters).
 
 With `echo`, a completion's text starts with its prompt; with `echo` and
 `logprobs`, its logprobs start with the prompt's tokens (`prompt_logprobs`),
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,6 +36,9 @@ from subway.frontend.grammar import request_grammar
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import Grammar, SamplingParams
+
+if TYPE_CHECKING:
+    from subway.frontend.lora import LoraRegistry
 
 R = TypeVar("R", bound=BaseModel)
 DEFAULT_MAX_TOKENS = 16  # a completion's, as OpenAI's; a chat's is `Limits.chat_max_tokens`
@@ -63,6 +67,7 @@ class Job:
     sampling: list[SamplingParams]  # one per prompt
     no_output: bool = False  # max_tokens 0 (echo): the choices end at their prompts
     run_engine: bool = True  # False: max_tokens 0 without logprobs, nothing to ask the engine
+    lora: int = 0  # the LoRA adapter its `model` names (`LoraRegistry.resolve`); 0: the base
 
     @property
     def prompt_tokens(self) -> int:
@@ -106,10 +111,14 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def check_model(req: BaseModel, config: EngineConfig) -> None:
-    """Any request with a `model` field: it must be the served one, when given."""
+def check_model(req: BaseModel, config: EngineConfig, lora: LoraRegistry | None = None) -> int:
+    """Any request with a `model` field: when given, the served one or (with `lora`) one of
+    its adapters, else 404. The adapter's id (`LoraRegistry.resolve`); 0: the base model."""
+    if lora is not None:
+        return lora.resolve(req.model)
     if req.model is not None and req.model != config.model.served_model_name:
         raise APIError(404, f"the model `{req.model}` does not exist", "model")
+    return 0
 
 
 # Arguments of apply_chat_template that the server sets itself.
@@ -125,11 +134,14 @@ def runs_per_prompt(req: SamplingRequest) -> int:
     return getattr(req, "best_of", None) or req.n
 
 
-def check_request(req: SamplingRequest, config: EngineConfig) -> None:
+def check_request(
+    req: SamplingRequest, config: EngineConfig, lora: LoraRegistry | None = None
+) -> int:
     """What the HTTP endpoints refuse first: another model, a completion's `suffix`, more
     sequences (n, or best_of) than --max-seqs-per-request, a chat template from the request (unless
-    --trust-request-chat-template: a template is code)."""
-    check_model(req, config)
+    --trust-request-chat-template: a template is code). The LoRA adapter `model` names (0:
+    none, `check_model`)."""
+    lora_id = check_model(req, config, lora)
     check_fan_out(req, config)
     limit = config.server.max_seqs_per_request
     runs = req.num_prompts * runs_per_prompt(req)
@@ -157,6 +169,7 @@ def check_request(req: SamplingRequest, config: EngineConfig) -> None:
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}",
                            "chat_template_kwargs")  # fmt: skip
+    return lora_id
 
 
 CLIENT_SCHEDULING = ("priority", "slo_ttft_ms", "slo_class")

@@ -9,6 +9,7 @@ sees them. Each app gets its own registry: no global state.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -76,6 +77,10 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      "decode engine computed the prompt itself).", lambda s: s.kv_transfer_failures_total),
     ("kv_leases_expired", "Disaggregation: a prefill engine's leases freed unreleased.",
      lambda s: s.kv_leases_expired_total),
+    ("lora_loads", "LoRA: adapters rank 0 read from disk into memory.",
+     lambda s: s.lora_loads_total),
+    ("lora_evictions", "LoRA: adapters rank 0 dropped from memory to make room (--max-cpu-loras).",
+     lambda s: s.lora_evictions_total),
 )  # fmt: skip
 
 
@@ -83,11 +88,18 @@ class _EngineCollector:
     """The engine's figures at scrape time, from the latest EngineStats (zeros before any),
     and the messages refused anywhere on the internal plane and at the ZMQ endpoint."""
 
-    def __init__(self, model_name: str, rejected_here: Callable[[], int], roles: list[str]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        rejected_here: Callable[[], int],
+        roles: list[str],
+        lora_names: Callable[[], dict[int, str]],
+    ) -> None:
         self.model_name = model_name
         self.roles = roles
         self.stats = [EngineStats() for _ in roles]
         self.rejected_here = rejected_here
+        self.lora_names = lora_names
 
     def collect(self) -> Iterator[Metric]:
         """One series per engine, labelled `engine`; the frontend's own refusals (its links
@@ -128,6 +140,28 @@ class _EngineCollector:
         for i, (labels, s) in enumerate(per_engine):
             c.add_metric(labels, s.ipc_rejected_total + (here if i == 0 else 0))
         yield c
+        yield from self._lora(per_engine)
+
+    def _lora(self, per_engine: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        """The adapters served (the frontend's registry), and each engine's requests of each
+        adapter, by name (ids no longer served are left out: bounded labels)."""
+        names = self.lora_names()
+        served = GaugeMetricFamily(
+            "subway:lora_adapters", "LoRA adapters served.", labels=["model_name"]
+        )
+        served.add_metric([self.model_name], len(names))
+        yield served
+        g = GaugeMetricFamily(
+            "subway:lora_running_requests",
+            "LoRA: an engine's requests (running or waiting) of each adapter.",
+            labels=["model_name", "engine", "role", "adapter"],
+        )
+        for labels, s in per_engine:
+            for lora_id, n in sorted(s.lora_requests.items()):
+                name = names.get(lora_id)
+                if name is not None:
+                    g.add_metric([*labels, name], n)
+        yield g
 
 
 class Metrics:
@@ -138,12 +172,14 @@ class Metrics:
         model_name: str,
         rejected_here: Callable[[], int] = lambda: 0,
         roles: list[str] | None = None,
+        lora_names: Callable[[], dict[int, str]] = dict,
     ) -> None:
-        """`rejected_here`: messages this frontend refused (its links, its ZMQ endpoint)."""
+        """`rejected_here`: messages this frontend refused (its links, its ZMQ endpoint);
+        `lora_names`: the LoRA adapters served, name by id (`LoraRegistry.names`)."""
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name
-        self._engine = _EngineCollector(model_name, rejected_here, roles or ["both"])
+        self._engine = _EngineCollector(model_name, rejected_here, roles or ["both"], lora_names)
         r.register(self._engine)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -185,6 +221,11 @@ class Metrics:
             "held the prompt's prefix), least_loaded, overloaded (the engine holding the "
             "prefix was overloaded).",
             ("engine", "reason"),
+        )
+        self.lora_requests = counter(
+            "lora_requests",
+            "LoRA: engine requests (choices) submitted with each adapter served.",
+            ("adapter",),
         )
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
@@ -232,6 +273,19 @@ class Metrics:
         self.e2e.labels(m).observe(max(0.0, e2e))
         if ttft is not None and output_tokens > 1:
             self.tpot.labels(m).observe(max(0.0, e2e - ttft) / (output_tokens - 1))
+
+    def adapter_added(self, name: str) -> None:
+        """A LoRA adapter is served: its request counter exists from now on, at 0."""
+        self.lora_requests.labels(self.model_name, name)
+
+    def adapter_removed(self, name: str) -> None:
+        """A LoRA adapter is no longer served: its counter goes (labels stay bounded by the
+        adapters served; one loaded again under the name starts again at 0)."""
+        with contextlib.suppress(KeyError):
+            self.lora_requests.remove(self.model_name, name)
+
+    def observe_lora_requests(self, name: str, n: int) -> None:
+        self.lora_requests.labels(self.model_name, name).inc(n)
 
     def observe_grammar_compile(self, result: str, seconds: float) -> None:
         """One grammar compiled by the frontend's check: "cold", "cached" or "error"."""

@@ -63,6 +63,7 @@ from subway.frontend.inputs import (
     parse,
     runs_per_prompt,
 )
+from subway.frontend.lora import LoraRegistry
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import AccessRecord, access_record
 from subway.frontend.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -80,6 +81,7 @@ class ServingContext:
     engine: Engine
     tokenizer: object
     metrics: Metrics | None = None
+    lora: LoraRegistry | None = None  # the adapters served; None: made from the config
     offload: Offload = field(init=False)  # parsing, chat templates, tokenization
     _grammar: GrammarCheck | None = field(init=False, default=None)
     _grammar_start: asyncio.Task | None = field(init=False, default=None)
@@ -87,6 +89,8 @@ class ServingContext:
 
     def __post_init__(self) -> None:
         self.offload = Offload(self.config.server.template_timeout)
+        if self.lora is None:
+            self.lora = LoraRegistry(self.config)
 
     async def grammar_check(self) -> GrammarCheck:
         """The check for the engine's vocabulary, made on first use: its compile processes
@@ -174,7 +178,9 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else None
     request_id = new_id(api.id_prefix)
     group = admit(ctx, req, request_id, job, record, request)
-    view = api.view(req, job, request_id, ctx.config.model.served_model_name, ctx.tokenizer)
+    # The answer names the model the request named: an adapter's name echoes back.
+    model = req.model or ctx.config.model.served_model_name
+    view = api.view(req, job, request_id, model, ctx.tokenizer)
     if req.stream:
         return StreamingResponse(_sse(view, group), media_type="text/event-stream", headers=headers)
     try:
@@ -191,14 +197,16 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
 
 async def prepare(ctx: ServingContext, api: API, req: R) -> tuple[R, Job, list[str]]:
     """A parsed request made the engine's work, the one way for HTTP and the native ZMQ
-    endpoint: checked against the config, its client scheduling fields kept or dropped
-    (the names of those dropped), its prompt rendered and tokenized (`api.prepare`, on a
-    worker thread under `--template-timeout`), its grammars checked."""
-    check_request(req, ctx.config)
+    endpoint: checked against the config, its `model` resolved (the base model or a LoRA
+    adapter: `Job.lora`), its client scheduling fields kept or dropped (the names of those
+    dropped), its prompt rendered and tokenized (`api.prepare`, on a worker thread under
+    `--template-timeout`), its grammars checked."""
+    lora = check_request(req, ctx.config, ctx.lora)
     req, ignored = client_scheduling(req, ctx.config)
     job = await ctx.offload.run(
         api.prepare, req, ctx.tokenizer, ctx.limits(), what=api.preparing, param=api.input
     )
+    job.lora = lora
     await check_grammars(ctx, job, req)
     return req, job, ignored
 
@@ -234,8 +242,10 @@ def admit(
         return None
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     check_job_size(job.prompt_tokens, runs_per_prompt(req), ctx.config, param)
+    if ctx.lora is not None and not ctx.lora.serves(job.lora):  # unloaded while prepared
+        raise APIError(404, f"the model `{req.model}` does not exist (it was unloaded)", "model")
     try:
-        return ChoiceGroup(
+        group = ChoiceGroup(
             ctx.engine,
             ctx.tokenizer,
             fan_out(req, request_id, job),
@@ -246,6 +256,9 @@ def admit(
         )
     except Exception as e:
         raise engine_failure(e) from e
+    if job.lora and ctx.metrics is not None and req.model is not None:
+        ctx.metrics.observe_lora_requests(req.model, len(group.streams))
+    return group
 
 
 def engine_failure(e: Exception) -> APIError:

@@ -318,3 +318,17 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoraAdapterRequest(_Request):
+    """`/v1/load_lora_adapter` (vLLM's body): serve the PEFT folder `lora_path` as the model
+    `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """`/v1/unload_lora_adapter` (vLLM's body; its `lora_int_id` is not needed here)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)

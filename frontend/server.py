@@ -9,7 +9,8 @@ access log); below it, uvicorn speaks HTTP through `http_limits.guarded_h11`
 
 Routes, added by group: `/health`, `/metrics`, `/version` and `/v1/models`
 (`add_status_routes`), `/v1/completions` and `/v1/chat/completions`
-(`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`).
+(`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`),
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`lora_api.add_lora_routes`).
 
 `/tokenize` and `/detokenize` do on the event loop only what does not grow with
 the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
@@ -43,6 +44,8 @@ from subway.frontend.errors import APIError, from_validation_error
 from subway.frontend.http_limits import guarded_h11
 from subway.frontend.inputs import Limits, check_model, check_token_ids, encode, parse
 from subway.frontend.liveness import serve_liveness
+from subway.frontend.lora import LoraRegistry
+from subway.frontend.lora_api import add_lora_routes, model_cards
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,
@@ -53,7 +56,6 @@ from subway.frontend.pipeline import ServingContext, add_generation_routes
 from subway.frontend.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from subway.frontend.responses import (
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeResponse,
     TooLarge,
@@ -109,16 +111,20 @@ def build_app(
     """The HTTP app over one engine's client or a group of engines (data parallel).
     `tokenizer` defaults to the one `config` names."""
     group = engine if isinstance(engine, EngineGroup) else None
+    lora = LoraRegistry(config)  # checks each --lora-modules adapter (LoraError)
     metrics = Metrics(
         config.model.served_model_name,
         # Read at each scrape: `endpoint` is made below, from the context that holds `metrics`.
         lambda: engine.link.num_rejected + (endpoint.rejected if endpoint is not None else 0),
         roles=group.roles if group is not None else None,
+        lora_names=lora.names,
     )
+    for adapter, _ in lora.adapters():
+        metrics.adapter_added(adapter.name)
     if group is not None:
         group.on_route = metrics.observe_route
     tok = tokenizer if tokenizer is not None else load_tokenizer(config)
-    ctx = ServingContext(config, engine, tok, metrics)
+    ctx = ServingContext(config, engine, tok, metrics, lora)
     address = config.client_address
     endpoint = ClientEndpoint(ctx, address) if address else None
 
@@ -133,9 +139,10 @@ def build_app(
         body_timeout=config.server.body_timeout,
     )
     add_error_handlers(app)
-    add_status_routes(app, config, engine, metrics)
+    add_status_routes(app, config, engine, metrics, lora)
     add_generation_routes(app, ctx)
     add_token_routes(app, ctx)
+    add_lora_routes(app, ctx)
     return app
 
 
@@ -185,8 +192,16 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(e).__name__}").response()
 
 
-def add_status_routes(app: FastAPI, config: EngineConfig, engine: Engine, metrics: Metrics) -> None:
-    """`/health`, `/metrics`, `/version` and `/v1/models`."""
+def add_status_routes(
+    app: FastAPI,
+    config: EngineConfig,
+    engine: Engine,
+    metrics: Metrics,
+    lora: LoraRegistry | None = None,
+) -> None:
+    """`/health`, `/metrics`, `/version` and `/v1/models` (the base model and its LoRA
+    adapters)."""
+    lora = lora if lora is not None else LoraRegistry(config)
     group = engine if isinstance(engine, EngineGroup) else None
 
     @app.get("/health")
@@ -215,7 +230,7 @@ def add_status_routes(app: FastAPI, config: EngineConfig, engine: Engine, metric
     async def models() -> ModelList:
         info = engine.link.info
         max_len = info.max_model_len if info else None
-        return ModelList(data=[ModelCard(id=config.model.served_model_name, max_model_len=max_len)])
+        return ModelList(data=model_cards(lora, max_len))
 
 
 def _group_health(group: EngineGroup) -> Response:
@@ -249,7 +264,7 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def tokenize(request: Request) -> Response:
         body = await request.body()
         req = await ctx.offload.run(parse, TokenizeRequest, body, what="parsing the request body")
-        check_model(req, config)
+        check_model(req, config, ctx.lora)  # an adapter's name too: the tokenizer is the base's
         limits = ctx.limits()
         ids = await _token_ids(ctx, req, limits)
         content = await ctx.offload.run(
@@ -262,7 +277,7 @@ def add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def detokenize(request: Request) -> Response:
         body = await request.body()
         req = await ctx.offload.run(parse, DetokenizeRequest, body, what="parsing the request body")
-        check_model(req, config)
+        check_model(req, config, ctx.lora)
         content = await ctx.offload.run(
             _detokenized, tok, req.tokens, ctx.limits(), max_bytes,
             what="detokenizing", param="tokens",

@@ -3,7 +3,8 @@
 It serves the same engine requests as `/v1/completions` (one prompt, one
 choice), with the same checks, limits, metrics and access log, without HTTP
 or JSON; structured outputs (`structured_outputs`, `response_format`,
-`guided_*` in `params`) are compiled and refused as there (`check_grammars`).
+`guided_*` in `params`) are compiled and refused as there (`check_grammars`), and
+`params["model"]` names the base model or a LoRA adapter as there (404 for another).
 The address is `config.server.client_addr`, by default
 `ipc://{run_dir}/client.sock` ("off": no endpoint; `EngineConfig.client_address`).
 A client that goes away is noticed when an answer cannot be routed to it
@@ -76,7 +77,7 @@ from subway.ipc.sockets import bind, cleanup_ipc
 
 log = logging.getLogger("subway.frontend")
 
-_IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt", "model")
+_IGNORED = ("stream", "stream_options", "echo", "n", "best_of", "prompt")
 FRAMES = 5  # the peer's identity (added by ROUTER), then the envelope's four
 MAX_WARNED_PEERS = 1024  # peers whose first rejection is logged; later ones are only counted
 SEND_HWM = 16384  # answers queued for one client at most; past it its requests are aborted

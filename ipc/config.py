@@ -209,6 +209,47 @@ class ServerConfig:
     )
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (vLLM's flags)."""
+
+    enable_lora: bool = opt(False, "serve LoRA adapters: a request names one by its `model`")
+    lora_modules: tuple[str, ...] = opt(
+        (), "adapters to serve from the start, NAME=PATH each (a PEFT folder: "
+        "adapter_config.json and adapter_model.safetensors)", nargs="+"
+    )  # fmt: skip
+    max_loras: int = opt(4, "distinct adapters in one step at most")
+    max_lora_rank: int = opt(16, "the highest adapter rank accepted (at most 64)")
+    max_cpu_loras: int = opt(0, "adapters the workers keep loaded; 0: --max-loras")
+    allow_runtime_lora_updating: bool = opt(
+        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"
+    )
+
+    def __post_init__(self) -> None:
+        _set(self, "lora_modules", tuple(self.lora_modules))
+        if self.lora_modules and not self.enable_lora:
+            _set(self, "enable_lora", True)
+        if not 1 <= self.max_loras <= 64:
+            raise ValueError(f"--max-loras must be in [1, 64], not {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 64:
+            raise ValueError(f"--max-lora-rank must be in [1, 64], not {self.max_lora_rank}")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+        for spec in self.lora_modules:
+            name, eq, path = spec.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH, not {spec[:80]!r}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters a worker keeps loaded at most."""
+        return max(self.max_cpu_loras, self.max_loras)
+
+    def modules(self) -> list[tuple[str, str]]:
+        """(name, path) of each `--lora-modules` entry."""
+        return [tuple(s.split("=", 1)) for s in self.lora_modules]  # type: ignore[misc]
+
+
 KV_ADDR_RE = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}")
 
 
@@ -273,6 +314,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ipc: IpcConfig = field(default_factory=IpcConfig)
 
     @classmethod

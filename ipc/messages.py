@@ -4,7 +4,8 @@ Every message that crosses a socket is one of the structs below, encoded with
 msgspec as MessagePack. Each socket direction has its own tagged union, so a
 receiver decodes exactly the messages it may get and nothing else.
 
-    frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello, FrontendAlive)
+    frontend  -> scheduler : ToScheduler   (AddRequest, AbortRequest, FrontendHello, FrontendAlive,
+                                            ReleaseKv, AddLora, RemoveLora)
     workers   -> scheduler : FromWorker    (WorkerReady, StepResult, WorkerError, KvImported, GrammarReady)
     scheduler -> workers   : ToWorker      (Plan, Shutdown, KvImport, GrammarPrepare, GrammarRelease)
     decode worker <-> prefill worker, across hosts: KvFetch, KvBlocks and raw frames
@@ -30,6 +31,7 @@ from subway.ipc.grammar_messages import (  # noqa: F401 - part of the contract, 
     grammar_key,
 )
 from subway.ipc.kv_messages import KvBlocks, KvFetch, KvLayout  # noqa: F401 - re-exported
+from subway.ipc.lora_messages import AddLora, LoraAdapter, RemoveLora
 
 
 class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -125,6 +127,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # cache before the request is queued; on any failure it recomputes them.
     handoff: bool = False
     kv_source: KvLease | None = None
+    lora: int = 0  # the LoRA adapter's id (`LoraAdapter`); 0: the base model
 
 
 class ReleaseKv(msgspec.Struct, tag="release_kv"):
@@ -159,7 +162,9 @@ class FrontendAlive(msgspec.Struct, tag="alive"):
 
 FRONTEND_HEARTBEAT_S = 1.0
 
-ToScheduler = AddRequest | AbortRequest | FrontendHello | FrontendAlive | ReleaseKv
+ToScheduler = (
+    AddRequest | AbortRequest | FrontendHello | FrontendAlive | ReleaseKv | AddLora | RemoveLora
+)
 
 
 # ---------------------------------------------------------------- workers -> scheduler
@@ -201,6 +206,9 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     # length), `tokens` and the per-token logprobs then hold each one's run in turn; empty
     # when every sequence has one token.
     num_tokens: list[int] = []
+    # LoRA: adapters this worker has read from disk and dropped from memory since it started.
+    lora_loads_total: int = 0
+    lora_evictions_total: int = 0
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -230,6 +238,7 @@ class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     seq_id: int
     prompt: TokenRef
     sampling: SamplingParams
+    lora: int = 0  # its LoRA adapter (`Plan.loras`); 0: none
 
 
 class SeqStep(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -269,6 +278,10 @@ class Plan(msgspec.Struct, tag="plan", omit_defaults=True):
     # Set when the frontend's prompt buffer changed (a new frontend): the worker reads
     # prompts in shared memory from this buffer from this plan on.
     prompt_shm: str = ""
+    # LoRA adapters served from this plan on, and those no longer served (no sequence of
+    # theirs is left): the workers load the first when a sequence needs them.
+    loras: list[LoraAdapter] = []
+    loras_removed: list[int] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -376,6 +389,12 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     kv_transfer_buckets: list[int] = []
     kv_leases: int = 0  # prefill engines: leases held now
     kv_leases_expired_total: int = 0
+    # LoRA: adapters served, the number of requests (running or waiting) of each by id, and
+    # rank 0's loads from disk and evictions from memory.
+    lora_adapters: int = 0
+    lora_requests: dict[int, int] = {}
+    lora_loads_total: int = 0
+    lora_evictions_total: int = 0
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

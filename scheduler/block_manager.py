@@ -266,9 +266,12 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def lookup(self, prompt: Sequence[int], output: Sequence[int], max_blocks: int) -> list[int]:
+    def lookup(
+        self, prompt: Sequence[int], output: Sequence[int], max_blocks: int, root: int = 0
+    ) -> list[int]:
         """The cached blocks that hold the longest prefix of `prompt + output` (token arrays),
-        at most `max_blocks` of them. Changes nothing."""
+        at most `max_blocks` of them, on the chain from `root` (`cache_blocks`). Changes
+        nothing."""
         cache = self._cache
         if not cache or max_blocks <= 0:
             return []
@@ -276,7 +279,7 @@ class BlockManager:
         size = self.block_size * TOKEN_BYTES  # bytes of a block's tokens
         data = token_bytes(prompt, output, 0, max_blocks * self.block_size)
         hits: list[int] = []
-        node = 0
+        node = root
         for a in range(0, len(data), size):
             toks = data[a : a + size]
             b = cache.get(_key_hash((node, toks)))
@@ -322,11 +325,13 @@ class BlockManager:
         return list(self._tables[seq_id])
 
     def cache_blocks(
-        self, seq_id: int, prompt: Sequence[int], output: Sequence[int], upto: int
+        self, seq_id: int, prompt: Sequence[int], output: Sequence[int], upto: int, root: int = 0
     ) -> int:
         """Key the sequence's full blocks that lie within positions `0 .. upto - 1` (whose KV
         a sent plan computes, and whose tokens are known); returns the position from which
-        the next block can be keyed.
+        the next block can be keyed. `root` is the parent of its first block: 0, or minus
+        its LoRA adapter's id (an adapter's KV differs from the base model's for the same
+        tokens, so each adapter's prefixes are a tree of their own).
 
         A block whose key is already cached elsewhere (the same prefix computed
         twice) stays private and uncached; the chain goes on from the cached one.
@@ -335,7 +340,7 @@ class BlockManager:
         bs = self.block_size
         if table is None or not self.enable_caching:
             return upto + bs
-        count, node = self._keyed.get(seq_id, (0, 0))
+        count, node = self._keyed.get(seq_id, (0, root))
         end = min(upto // bs, len(table))
         if count >= end:
             return (count + 1) * bs
@@ -344,7 +349,7 @@ class BlockManager:
         size = bs * TOKEN_BYTES
         data = token_bytes(prompt, output, count * bs, end * bs)
         track = self.track_digests
-        digest = self._last_digest.get(seq_id, 0) if track else 0
+        digest = self._last_digest.get(seq_id, root) if track else 0
         for a in range(0, len(data), size):
             toks = data[a : a + size]
             if track:

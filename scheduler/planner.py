@@ -209,7 +209,7 @@ class Planner:
                     new_blocks = bm.allocate(sid, n)
                 req.num_slots += bs * len(new_blocks)
             if pos >= req.cache_upto:  # its first decode: key what its prefill computed
-                bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos)  # (tokens < pos known)
+                bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos, -req.lora)  # tokens < pos
                 req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
             steps.append(SeqStep(sid, pos, n, new_blocks, True, draft))
             decode_kv += pos + n
@@ -306,6 +306,8 @@ class Planner:
             return _SKIPPED, budget
         if not q.policy.can_admit(req):
             return _SKIPPED, budget
+        if req.lora and not q.loras.can_run(req.lora):
+            return _BLOCKED, budget  # --max-loras others run: theirs drain first (lora.py)
         if not req.sent and self._new_seq_bytes + req.wire_bytes > self.max_new_seq_bytes:
             return _BLOCKED, budget  # the plan is full: the next one takes it
         while q.num_running >= self.max_num_seqs:
@@ -317,7 +319,7 @@ class Planner:
         total = req.length
         # A request that wants its prompt's logprobs computes the whole prompt.
         if q.caching and req.sampling.prompt_logprobs is None:
-            hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs)
+            hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs, -req.lora)
         else:
             hits = []
         cached = len(hits) * bs
@@ -339,7 +341,7 @@ class Planner:
         req.num_slots = bs * len(table)
         q.mark_running(req)
         if not req.sent:
-            self._out.new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling))
+            self._out.new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling, req.lora))
             self._new_seq_bytes += req.wire_bytes
             req.sent = True
         sample = n == remaining

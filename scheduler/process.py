@@ -35,6 +35,7 @@ import zmq
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     AbortRequest,
+    AddLora,
     AddRequest,
     Codec,
     Deltas,
@@ -43,6 +44,7 @@ from subway.ipc.messages import (
     FrontendAlive,
     FrontendHello,
     ReleaseKv,
+    RemoveLora,
     RequestDelta,
     ToFrontend,
     ToScheduler,
@@ -100,7 +102,9 @@ class SchedulerLoop:
         self.sched: Scheduler | None = None
         self.core: EngineCore | None = None
         self.ready_msg: EngineReady | None = None
-        self.early: list[AddRequest | AbortRequest] = []  # requests that came before ready
+        self.early: list[
+            AddRequest | AbortRequest | AddLora | RemoveLora
+        ] = []  # requests that came before ready
         self.prompt_buf: TokenBuffer | None = None
         self.prompt_shm = config.ipc.prompt_shm_name  # as the frontend's hello names it
         self.out: list[RequestDelta] = []  # deltas to send at the end of this turn
@@ -223,6 +227,7 @@ class SchedulerLoop:
             rejected = self.refusals.count + self.workers.num_rejected + self.socks.denied
             sched.stats.ipc_rejected_total = rejected
             msg = Deltas(deltas, sched.engine_stats())
+            msg.stats.lora_loads_total, msg.stats.lora_evictions_total = self.workers.lora_counts
             blocks = sched.block_manager
             if blocks.track_digests:
                 msg.cache_stored, msg.cache_removed = blocks.take_digest_events()
@@ -290,7 +295,7 @@ class SchedulerLoop:
         self.digests_reset = True  # the next Deltas carries every cached digest
         self.last_out_at = 0.0  # and goes at once
 
-    def _apply(self, msg: AddRequest | AbortRequest | ReleaseKv) -> None:
+    def _apply(self, msg: AddRequest | AbortRequest | ReleaseKv | AddLora | RemoveLora) -> None:
         sched = self.sched
         assert sched is not None
         if isinstance(msg, ReleaseKv):
@@ -300,6 +305,13 @@ class SchedulerLoop:
         if isinstance(msg, AbortRequest):
             if self.imports is None or not self.imports.abort(msg.request_id):
                 sched.abort(msg.request_id)
+            return
+        if isinstance(msg, AddLora):
+            if not sched.loras.add(msg.adapter):
+                self.refusals.refuse("bad adapter", f"id {msg.adapter.lora_id} (LoRA off or taken)")
+            return
+        if isinstance(msg, RemoveLora):
+            sched.loras.remove(msg.lora_id)
             return
         vocab = self.ready_msg.vocab_size if self.ready_msg is not None else 0
         problem = check_add(msg, vocab)

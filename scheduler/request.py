@@ -68,6 +68,7 @@ class Request:
     handoff: bool = False  # a prefill engine's: lease its blocks when it ends by length
     grammar_key: int = 0  # its grammar's key on the workers (`grammars.py`); 0: none, or inline
     wire_bytes: int = 0  # its NewSeq's encoded size, at most (the planner bounds a plan's)
+    lora: int = 0  # its LoRA adapter (`lora.py`); 0: the base model
 
     @property
     def prompt_len(self) -> int:

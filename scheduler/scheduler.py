@@ -33,6 +33,7 @@ from subway.ipc.messages import (
 )
 from subway.scheduler.block_manager import TOKEN_TYPE, BlockManager
 from subway.scheduler.grammars import GrammarTable
+from subway.scheduler.lora import LoraTable
 from subway.scheduler.planner import Planner
 from subway.scheduler.policy import Policy, make_policy, policy_options
 from subway.scheduler.request import Request, RequestStatus
@@ -106,6 +107,7 @@ class Scheduler:
         self.planner = Planner(self, config.scheduler, config.ipc.max_message_bytes)
         self.leases = None  # a prefill engine's `handoff.Leases`
         self.grammars = GrammarTable(config.server.grammar_timeout) if grammars_by_key else None
+        self.loras = LoraTable(config.lora)
         self._wire = msgspec.msgpack.Encoder()  # sizes NewSeqs (`Request.wire_bytes`)
 
     # ------------------------------------------------------------ counts
@@ -170,9 +172,11 @@ class Scheduler:
         return len(arrivals) / ARRIVAL_WINDOW_S
 
     def engine_stats(self) -> EngineStats:
-        return self.stats.snapshot(
+        s = self.stats.snapshot(
             self._num_running, len(self.waiting), self.num_queued, self.block_manager
         )
+        self.loras.report(s)
+        return s
 
     # ------------------------------------------------------------ requests
 
@@ -182,7 +186,8 @@ class Scheduler:
         sp = msg.sampling
         reason = None
         ids = None
-        if msg.request_id in self._by_id or n == 0 or n > self.max_model_len:
+        taken = msg.request_id in self._by_id or not self.loras.accepts(msg.lora)  # LoRA served?
+        if taken or n == 0 or n > self.max_model_len:
             reason = "error"
         else:
             try:
@@ -217,11 +222,13 @@ class Scheduler:
             length=n,
             speculable=self.speculative is not None and sp.grammar is None,
             handoff=msg.handoff,
+            lora=msg.lora,
         )
         grammar = None
         if self.grammars is not None and sp.grammar is not None:
             req.sampling, grammar, req.grammar_key = GrammarTable.by_key(sp)
-        req.wire_bytes = len(self._wire.encode(NewSeq(req.seq_id, req.prompt_ref, req.sampling)))
+        new_seq = NewSeq(req.seq_id, req.prompt_ref, req.sampling, req.lora)
+        req.wire_bytes = len(self._wire.encode(new_seq))
         if req.wire_bytes > self.planner.max_new_seq_bytes:  # no plan could carry it
             self.pending.append(RequestDelta(msg.request_id, [], "error", num_prompt_tokens=n))
             return
@@ -230,6 +237,7 @@ class Scheduler:
             self.num_interactive += 1
         self.by_seq[req.seq_id] = req
         self._by_id[msg.request_id] = req
+        self.loras.joined(req.lora)
         held = grammar is not None and self.grammars.hold(req, grammar, self.clock())
         if held:
             req.status = _COMPILING
@@ -320,6 +328,7 @@ class Scheduler:
         if not out.steps:
             return None
         plan = Plan(step, out.steps, out.new_seqs, self.finished_ids, self.preempted_ids)
+        self.loras.announce(plan)
         self.finished_ids = []
         self.preempted_ids = []
         self.inflight_steps.append(step)
@@ -379,6 +388,7 @@ class Scheduler:
         req.status = _RUNNING
         self.running.append(req)
         self._num_running += 1
+        self.loras.started(req.lora)
         if req.preempted:
             req.preempted = False
             self.stats.num_preempted_waiting -= 1
@@ -393,6 +403,7 @@ class Scheduler:
         req.num_slots = 0
         req.preempted = True
         self._num_running -= 1
+        self.loras.stopped(req.lora)
         self._running_dirty = True
         stats = self.stats
         stats.num_preempted_waiting += 1
@@ -401,9 +412,11 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Take a request out of the scheduler: free its blocks, tell the workers next plan."""
+        self.loras.left(req.lora)
         if req.status is _RUNNING:
             self._num_running -= 1
             self._running_dirty = True
+            self.loras.stopped(req.lora)
             if self.caching:
                 self.cache_blocks(req, req.num_computed_tokens)  # for later turns of a chat
             self.block_manager.free(req.seq_id)
@@ -433,5 +446,5 @@ class Scheduler:
         if upto > req.length:
             upto = req.length
         req.cache_upto = self.block_manager.cache_blocks(
-            req.seq_id, req.prompt_ids, req.output_ids, upto
+            req.seq_id, req.prompt_ids, req.output_ids, upto, -req.lora
         )

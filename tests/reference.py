@@ -24,11 +24,15 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return _models[path, dtype]
 
 
-@torch.no_grad()
 def hf_greedy(
     path: str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
 ) -> Reference:
-    model = hf_model(path, dtype)
+    return model_greedy(hf_model(path, dtype), prompt, max_new_tokens)
+
+
+@torch.no_grad()
+def model_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> Reference:
+    """`model`'s greedy tokens after `prompt` (a transformers model, or a PEFT one)."""
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

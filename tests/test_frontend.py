@@ -42,6 +42,7 @@ from subway.frontend.engine_client import EngineClient, EngineDeadError, QueueFu
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     AbortRequest,
+    AddLora,
     AddRequest,
     Codec,
     Deltas,
@@ -50,6 +51,7 @@ from subway.ipc.messages import (
     EngineStats,
     FrontendHello,
     Grammar,
+    RemoveLora,
     RequestDelta,
     SamplingParams,
     ToFrontend,
@@ -84,6 +86,7 @@ class FakeScheduler:
     adds: list[AddRequest] = field(default_factory=list)
     prompts: dict[str, list[int]] = field(default_factory=dict)
     aborts: list[str] = field(default_factory=list)
+    loras: list[AddLora | RemoveLora] = field(default_factory=list)
     hellos: int = 0
     ready_gate: threading.Event = field(default_factory=threading.Event)
     hold_aborts: bool = False  # answer aborts only when this turns False again
@@ -208,6 +211,8 @@ class FakeScheduler:
                             self.aborts.append(msg.request_id)
                             live.pop(msg.request_id, None)  # an "abort" delta either way
                             held.append(msg.request_id)
+                        elif isinstance(msg, (AddLora, RemoveLora)):
+                            self.loras.append(msg)
                 if held and not self.hold_aborts:
                     acks = [RequestDelta(rid, [], "abort") for rid in held]
                     held.clear()
@@ -266,9 +271,9 @@ def tokenizer(default_model):
 
 
 @contextlib.contextmanager
-def _live_frontend(default_model: str, tokenizer, run_dir) -> Iterator[Frontend]:
+def _live_frontend(default_model: str, tokenizer, run_dir, **flags) -> Iterator[Frontend]:
     """`python -m subway.frontend` in a subprocess, with a fake scheduler thread here;
-    stopped (if it still runs) on leaving."""
+    stopped (if it still runs) on leaving. `flags`: more of the config's fields."""
     port = _free_port()
     config = EngineConfig.build(
         path=default_model,
@@ -276,6 +281,7 @@ def _live_frontend(default_model: str, tokenizer, run_dir) -> Iterator[Frontend]
         run_dir=str(run_dir),
         port=port,
         shutdown_timeout=1.0,
+        **flags,
     )
     log_path = str(run_dir / "frontend.log")
     with open(log_path, "w") as log:

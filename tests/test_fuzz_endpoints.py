@@ -41,7 +41,9 @@ from subway.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from subway.ipc.messages import SamplingParams
 from subway.scheduler.checks import check_sampling
@@ -66,6 +68,9 @@ POST_MODELS = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    # Without --enable-lora every body is refused (400): the refusal is fuzzed.
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 GET_ROUTES = ("/health", "/metrics", "/version", "/v1/models", "/openapi.json")
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")

@@ -18,6 +18,7 @@ GROUP_TITLES = {
     "scheduler": "scheduling",
     "parallel": "parallelism",
     "server": "serving",
+    "lora": "LoRA adapters",
     "ipc": "process addresses (several hosts)",
 }
 
@@ -36,6 +37,8 @@ def engine_flags() -> list[tuple[str, list[str], dict]]:
             if f.type == "bool":
                 # A switch turns a default around: --no-overlap for True, --enforce-eager for False.
                 kw["action"] = "store_false" if f.default else "store_true"
+            elif "nargs" in meta:
+                kw["nargs"], kw["type"] = meta["nargs"], str
             else:
                 kw["type"] = _TYPES[f.type]
                 if "choices" in meta:
@@ -50,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if title not in groups:
             groups[title] = p.add_argument_group(title)
         kw = dict(kw)
-        if "action" not in kw and kw["help"] is not None and kw["default"] not in ("", None):
+        if "action" not in kw and kw["help"] is not None and kw["default"] not in ("", None, ()):
             kw["help"] += f" (default: {kw['default']})"
         groups[title].add_argument(*names, **kw)
     p.add_argument("--config-json", default="", help=argparse.SUPPRESS)
@@ -118,6 +121,29 @@ def check_speculative(config: EngineConfig) -> None:
     try:
         SpeculativeConfig.parse(config.scheduler.speculative_config)
     except SpeculativeConfigError as e:
+        raise SystemExit(f"subway: {e}") from None
+
+
+def check_lora(config: EngineConfig, read_adapters: bool = True) -> None:
+    """`--enable-lora`, checked before anything starts: refused with disaggregation; and
+    (`read_adapters`) each `--lora-modules` folder, read and checked against the model's
+    config.json as the frontend checks it, so that a bad adapter is a one-line message
+    before any worker loads one. The model's path must be resolved (`resolve_model`)."""
+    lora, p = config.lora, config.parallel
+    if not lora.enable_lora:
+        return
+    if p.prefill_engines > 0 or p.decode_engines > 0:
+        raise SystemExit(
+            "subway: LoRA with disaggregation is not supported yet (--enable-lora or "
+            "--lora-modules, with --prefill-engines and --decode-engines)"
+        )
+    if not read_adapters:
+        return
+    from subway.frontend.lora import LoraError, LoraRegistry
+
+    try:
+        LoraRegistry(config)
+    except LoraError as e:
         raise SystemExit(f"subway: {e}") from None
 
 
@@ -216,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         config = one_engine(config)
     check_speculative(config)
     check_policy(config)
+    check_lora(config, read_adapters=False)  # the adapters once the model is known, below
     if args.command in ("serve", "worker"):
         check_quantization(config)
     if args.command != "serve":
@@ -232,14 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from subway.tools.launch import serve
 
-        return serve(resolve_model(config), demo=args.demo)
+        config = resolve_model(config)
+        check_lora(config)
+        return serve(config, demo=args.demo)
     from subway.tools.proc_title import set_title
 
     set_title(args.command, config, args.rank if args.command == "worker" else None)
     if args.command == "frontend":
         from subway.frontend.server import run_frontend
 
-        return run_frontend(resolve_model(config))
+        config = resolve_model(config)
+        check_lora(config)
+        return run_frontend(config)
     if args.command == "scheduler":
         from subway.scheduler.process import run_scheduler
 

@@ -24,7 +24,7 @@ def _default(kw: dict) -> str:
     if kw.get("action") == "store_false":
         return "on (the flag turns it off)"
     d = kw["default"]
-    return "" if d in ("", None) else f"`{d}`"
+    return "" if d in ("", None, ()) else f"`{d}`"  # (): a list flag given nothing
 
 
 def _cell(text: str) -> str:

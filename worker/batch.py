@@ -31,6 +31,7 @@ class SeqState:
     prompt_len: int
     sampling: SamplingParams
     block_table: list[int] = field(default_factory=list)
+    lora: int = 0  # its LoRA adapter (`worker/lora.py`); 0: none
 
 
 @dataclass(frozen=True, slots=True)

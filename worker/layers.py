@@ -8,6 +8,7 @@ takes a full checkpoint tensor and copies this rank's part into place.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 
 from subway.kernels.dispatch import Kernels
 from subway.worker.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from subway.worker.lora import LoraLinear
 from subway.worker.quant import Int8Linear
 from subway.worker.quant_gpu import ScaledLinear
 
@@ -109,6 +113,18 @@ class PackedLinear(nn.Module):
     # Set by `quantize`, the float weight then dropped: our int8 kernels on the CPU, torch's
     # 8-bit ops on a GPU.
     int8: Int8Linear | ScaledLinear | None = None
+    in_features: int = 0  # this rank's input columns and output rows (the weight's shape)
+    out_features: int = 0
+    # LoRA (`worker/lora.py`): this layer's adapter slots, whose deltas `with_lora` adds.
+    lora: LoraLinear | None = None
+
+    def with_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`y` (this layer's output for `x`, before any all-reduce) plus the step's LoRA
+        deltas, where the step has any."""
+        lora = self.lora
+        if lora is not None and lora.step.active:
+            lora(y, x)
+        return y
 
     def small_read(self) -> torch.Tensor:
         """The tensor that `small` reads (`small_read`)."""
@@ -210,11 +226,13 @@ class QKVParallelLinear(PackedLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         out = self.q_size + 2 * self.kv_size
+        self.in_features, self.out_features = hidden_size, out
         self.weight = empty_param((out, hidden_size), dtype, device)
         self.bias = empty_param((out,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.matmul(x, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        y = self.with_lora(self.matmul(x, self.bias), x)
+        return y.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def load(self, which: str, name: str, tensor: torch.Tensor) -> None:
         """`which` is q, k or v; `name` is weight or bias."""
@@ -247,11 +265,12 @@ class MergedColumnParallelLinear(PackedLinear):
         super().__init__()
         self.tp = tp
         self.local = [tp.shard(n, "intermediate_size") for n in out_features]
+        self.in_features, self.out_features = in_features, sum(self.local)
         self.weight = empty_param((sum(self.local), in_features), dtype, device)
         self.bias = empty_param((sum(self.local),), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.with_lora(self.matmul(x, self.bias), x)
 
     def load(self, index: int, name: str, tensor: torch.Tensor) -> None:
         n = self.local[index]
@@ -280,13 +299,14 @@ class RowParallelLinear(PackedLinear):
             n = tp.shard(in_features, "row-parallel input")
             in_shard = (tp.rank * n, n)
         self.in_shard = in_shard
+        self.in_features, self.out_features = in_shard[1], out_features
         self.weight = empty_param((out_features, self.in_shard[1]), dtype, device)
         self.bias = empty_param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self.matmul(x, self.bias)
-        y = self.tp.all_reduce(self.matmul(x, None))
+            return self.with_lora(self.matmul(x, self.bias), x)
+        y = self.tp.all_reduce(self.with_lora(self.matmul(x, None), x))
         return y if self.bias is None else y + self.bias
 
     def load(self, name: str, tensor: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,9 @@ from subway.worker.layers import (
 from subway.worker.model_arch import ModelArch
 from subway.worker.parallel import TensorParallel
 from subway.worker.quant import Int8Linear
+
+if TYPE_CHECKING:
+    from subway.worker.lora import LoraStep
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -201,6 +205,9 @@ class CausalLM(nn.Module):
         """Final hidden states `[len(sample_idx), hidden]` at the sampling positions."""
         h = F.embedding(input_ids, self.embed_tokens)
         fused = self.fused_decode
+        lora = self.lora_step
+        if lora is not None and lora.active:
+            fused = None  # the compiled layers know no adapters
         if fused is not None and md.all_decode and h.shape[0] <= fused.max_rows:
             h, residual = fused(h, positions, self.rope_cache, md, kv_caches)
         else:
@@ -226,6 +233,7 @@ class CausalLM(nn.Module):
     lm_head_small_weight: torch.Tensor | None = None
     lm_head_int8: Int8Linear | None = None
     fused_decode: FusedDecode | None = None  # set by pack_weights where it applies
+    lora_step: LoraStep | None = None  # with LoRA on: the step's adapter segments (lora.py)
 
     def quantize_int8(self, ops: object | None, lm_head: torch.Tensor | None = None) -> None:
         """`--quantization int8` (worker/quant.py), after loading (and smoothing,

@@ -283,6 +283,10 @@ class WorkerLoop:
             result.forward_time = done - received
             result.idle_time = received - self.last_sent
             result.rejected_total = self.rejected
+            lora = self.runner.lora
+            if lora is not None:
+                result.lora_loads_total = lora.loads_total
+                result.lora_evictions_total = lora.evictions_total
             self.send(result)
             self.last_sent = time.perf_counter()
 

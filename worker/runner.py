@@ -26,6 +26,7 @@ from subway.worker.huge_pages import rehome
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.layers import widen_bf16
 from subway.worker.loader import load_weights
+from subway.worker.lora import check_loras, lora_manager, prepare_loras
 from subway.worker.model import CausalLM
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
@@ -139,6 +140,8 @@ class ModelRunner:
             cpu_ext.load() if self.device.type == "cpu" and config.model.cpu_ext else None,
             config.server.grammar_timeout,
         )  # fmt: skip
+        # With --enable-lora: adapter slots on every linear, before the KV cache is sized.
+        self.lora = lora_manager(config, self.model)
         self.graphs = maybe_decode_graphs(self)  # CUDA graphs of decode steps, or None
         self.seqs: dict[int, SeqState] = {}
         self.failed: set[int] = set()  # dropped after a failed step; the scheduler ends them
@@ -263,6 +266,8 @@ class ModelRunner:
         if not steps:
             return StepOutput([], [])
         batch = self._build_batch(plan.step, steps)
+        if self.lora is not None:
+            prepare_loras(self.lora, batch)
         logits, hidden = self._forward(batch)
         if not batch.sampling:
             return StepOutput([], [])
@@ -287,9 +292,10 @@ class ModelRunner:
         for sid in plan.preempted:
             if sid in seqs:
                 seqs[sid].block_table.clear()
+        check_loras(self.lora, plan)
         for ns in plan.new_seqs:
             ids = self._prompt_ids(ns.prompt)
-            seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling)
+            seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling, lora=ns.lora)
             if self.rank == 0 and ns.sampling.prompt_logprobs is not None:
                 self.prompt_lps.add(ns.seq_id, ns.sampling, len(ids))
             if self.rank == 0 and ns.sampling.grammar is not None:
@@ -317,6 +323,7 @@ class ModelRunner:
         if (
             graphs is not None
             and not batch.plp_slices
+            and (self.lora is None or not self.lora.step.active)
             and graphs.fits(qlens, len(batch.sampled_rows), tables.shape[1])
         ):
             return graphs.run(batch.input_ids, batch.positions, batch.slots, ctx, tables), None

@@ -141,7 +141,7 @@ async def send_one(
     """One streamed request; `extra` fields join its body (a constraint, say). With
     `slo_fields`, the request's `slo_class` and `slo_ttft_ms` join it too (where set)."""
     body = {
-        "model": model,
+        "model": req.model or model,  # a request's own: a LoRA adapter's name
         "prompt": req.prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,

@@ -67,6 +67,7 @@ class Request:
     slo_class: str | None = None
     slo_ttft_ms: float | None = None
     user: int | None = None
+    model: str | None = None  # the model (a LoRA adapter, say) it names; None: the server's
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
