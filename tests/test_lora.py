@@ -189,29 +189,43 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_models, adapters):
 
 
 def test_runtime_add_and_remove_with_requests_in_flight(tiny_models, adapters):
-    """An adapter added while others run serves its requests; removing one with requests
-    in flight lets them finish, then the workers forget it; nothing leaks."""
+    """Four adapters busy (--max-loras 4), a fifth added at runtime: its request waits for a
+    slot and is served right; adapter 2 removed with its request running: it finishes, then
+    the workers forget it, and new requests for it are refused; nothing leaks."""
     from subway.llm import Output
 
     path, dirs = tiny_models["llama"], adapters["llama"]
-    llm = lora_llm(path, dirs[:2])
-    sched = llm.scheduler
-    prompts = random_prompts(path, [12, 30, 8], seed=8)
-    first = [llm.add(prompts[0], GREEDY, lora=1), llm.add(prompts[1], GREEDY, lora=2)]
-    assert sched.loras.add(LoraAdapter(3, "late", dirs[2]))
-    late = llm.add(prompts[2], GREEDY, lora=3)
-    sched.loras.remove(2)  # its request is queued or running: it finishes first
-    refused = llm.add(prompts[2], GREEDY, lora=2)
+    fifth = make_adapter(path, os.path.join(os.path.dirname(dirs[0]), "fifth"), 16, seed=5)
+    llm = lora_llm(path, dirs, max_cpu_loras=4)
+    sched, lora = llm.scheduler, llm.runner.lora
+    prompts = random_prompts(path, [12, 30, 8, 20, 16], seed=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    rids = [llm.add(p, sp, lora=lo) for p, lo in zip(prompts[:4], (1, 2, 3, 4), strict=True)]
     outputs: dict[str, Output] = {}
+
+    def collect(deltas) -> None:
+        for d in deltas:
+            outputs.setdefault(d.request_id, Output()).add(d)
+
+    for _ in range(3):  # all four admitted and decoding
+        collect(llm.core.step())
+    assert sorted(sched.loras.running) == [1, 2, 3, 4]
+    assert sched.loras.add(LoraAdapter(5, "fifth", fifth))
+    rids.append(llm.add(prompts[4], sp, lora=5))
+    sched.loras.remove(2)  # running: it finishes first
+    refused = llm.add(prompts[4], sp, lora=2)
     llm.run(outputs)
     assert outputs[refused].finish_reason == "error"
-    assert [len(outputs[r].token_ids) for r in [*first, late]] == [10, 10, 10]
-    refs = expected(path, dirs, [prompts[0], prompts[1], prompts[2]], [1, 2, 3])
-    check([outputs[r] for r in [*first, late]], refs)
+    assert [len(outputs[r].token_ids) for r in rids] == [16] * 5
+    check([outputs[r] for r in rids[:4]], expected(path, dirs, prompts[:4], [1, 2, 3, 4], 16))
+    ref5 = peft_greedy(path, fifth, prompts[4:], 16)[0]
+    reference.compare(outputs[rids[4]].token_ids, ref5, outputs[rids[4]].top_ids)
+    assert lora.loads_total == 5 and lora.evictions_total >= 1 and len(lora.loaded) <= 4
     run_mixed(llm, [prompts[0]], [1])  # a plan after the drain carries the removal
-    assert 2 not in sched.loras.adapters and 2 not in llm.runner.lora.known
-    assert 2 not in llm.runner.lora.loaded and 2 not in llm.runner.lora.slots
-    assert sched.block_manager.num_used_blocks == 0 and not sched.loras.live
+    assert 2 not in sched.loras.adapters and 2 not in lora.known
+    assert 2 not in lora.loaded and 2 not in lora.slots
+    assert sched.block_manager.num_used_blocks == 0
+    assert not sched.loras.live and not sched.loras.running
 
 
 def test_int8_base_under_an_adapter(tiny_models, adapters):
