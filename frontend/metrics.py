@@ -46,6 +46,8 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("worker_idle_last_step_seconds", "Worker wait for the last plan.",
      lambda s: s.worker_idle_time),
     ("kv_leases", "Disaggregation: leases a prefill engine holds now.", lambda s: s.kv_leases),
+    ("lora_memory_bytes", "LoRA: bytes rank 0 holds for adapters (their slots on the model's "
+     "device, the adapters kept loaded in host memory).", lambda s: s.lora_memory_bytes),
 )  # fmt: skip
 ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("num_preemptions", "Preemptions by recompute.", lambda s: s.num_preempted_total),

@@ -209,6 +209,7 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     # LoRA: adapters this worker has read from disk and dropped from memory since it started.
     lora_loads_total: int = 0
     lora_evictions_total: int = 0
+    lora_memory_bytes: int = 0  # its adapter slots and the adapters it keeps loaded
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -395,6 +396,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     lora_requests: dict[int, int] = {}
     lora_loads_total: int = 0
     lora_evictions_total: int = 0
+    lora_memory_bytes: int = 0  # rank 0's adapter slots and loaded adapters
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

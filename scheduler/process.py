@@ -227,7 +227,10 @@ class SchedulerLoop:
             rejected = self.refusals.count + self.workers.num_rejected + self.socks.denied
             sched.stats.ipc_rejected_total = rejected
             msg = Deltas(deltas, sched.engine_stats())
-            msg.stats.lora_loads_total, msg.stats.lora_evictions_total = self.workers.lora_counts
+            s = msg.stats
+            s.lora_loads_total, s.lora_evictions_total, s.lora_memory_bytes = (
+                self.workers.lora_counts
+            )
             blocks = sched.block_manager
             if blocks.track_digests:
                 msg.cache_stored, msg.cache_removed = blocks.take_digest_events()

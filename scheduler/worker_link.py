@@ -148,7 +148,7 @@ class WorkerLink:
         self.vocab_size = 0
         self.refusals = Refusals(log, "a worker")
         self.worker_rejected = 0  # messages rank 0 says it refused
-        self.lora_counts = (0, 0)  # rank 0's adapter loads and evictions, as last reported
+        self.lora_counts = (0, 0, 0)  # rank 0's adapter loads, evictions and bytes, as reported
         self._results: list[tuple[StepResult, list[int]]] = []
         self._imported: list[KvImported] = []  # KV copies the ranks have answered
         self._grammars: list[GrammarReady] = []  # rank 0's compile answers
@@ -338,7 +338,7 @@ class WorkerLink:
         self._inflight.popleft()
         self._progress_at = self.clock()
         self.worker_rejected = msg.rejected_total
-        self.lora_counts = (msg.lora_loads_total, msg.lora_evictions_total)
+        self.lora_counts = (msg.lora_loads_total, msg.lora_evictions_total, msg.lora_memory_bytes)
         self._results.append((msg, tokens))
 
     # ------------------------------------------------------------ exit

@@ -125,6 +125,9 @@ def test_mixed_adapters_in_one_step_match_peft(tiny_models, adapters, arch):
         alone = run_mixed(llm, [prompts[i]], [loras[i]])[0]
         assert alone.token_ids == outs[i].token_ids
     assert llm.runner.lora.loads_total == 4
+    lora = llm.runner.lora  # four slots of rank 64 on every linear, four adapters loaded
+    assert lora.memory_bytes == lora.slot_bytes + sum(w.nbytes for w in lora.loaded.values())
+    assert lora.slot_bytes > 0 and len(lora.loaded) == 4
 
 
 def test_adapters_change_the_output(tiny_models, adapters):
@@ -289,12 +292,15 @@ def _tp_rank(rank: int, path: str, dirs: list[str], addr: str, prompts, loras, o
         json.dump([outputs[f"r{i}"].token_ids for i in range(len(prompts))], f)
 
 
-def test_two_tensor_parallel_ranks_match_peft(tiny_models, adapters, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_tensor_parallel_ranks_match_peft(tiny_models, adapters, tmp_path, arch):
+    """Each rank holds its heads' share of B (q/k/v, gate/up) and its columns' share of A
+    (o, down); the row-parallel deltas join the partial sums before the all-reduce."""
     import torch.multiprocessing as tmp
 
     from subway.tools.serve_process import free_port
 
-    path, dirs = tiny_models["llama"], adapters["llama"]
+    path, dirs = tiny_models[arch], adapters[arch]
     prompts = random_prompts(path, LENGTHS[:6], seed=10)
     loras = [1, 2, 0, 3, 4, 2]
     out = str(tmp_path / "tokens")

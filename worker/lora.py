@@ -87,6 +87,7 @@ class LoraLinear:
         # `[S, R, out]` (1.4-1.9x faster at decode than contiguous, the same bits).
         bt = torch.zeros(slots, rank, bounds[-1], dtype=dtype, device=device)
         self.b = bt.transpose(1, 2)
+        self.nbytes = (self.a.numel() + bt.numel()) * self.a.element_size()
         self._apply = apply
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor) -> None:
@@ -158,7 +159,14 @@ class LoraManager:
         self.linears = attach(model, self.step, config.max_loras, self.max_rank, apply)
         self.loads_total = 0
         self.evictions_total = 0
+        self.slot_bytes = sum(lin.nbytes for linears in self.linears for lin in linears.values())
         self._steps = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """What adapters hold: the slots (on the model's device) and the adapters loaded
+        (in host memory)."""
+        return self.slot_bytes + sum(w.nbytes for w in self.loaded.values())
 
     def register(self, adapters: list[LoraAdapter], removed: list[int]) -> None:
         for a in adapters:
@@ -252,7 +260,7 @@ class LoraManager:
             a, b = shard(self.model, i, target, a, b)
             a, b = a.to(owner.a.dtype), (b.float() * scale).to(owner.b.dtype)
             parts = layers[i].setdefault(group, [None] * (len(owner.bounds) - 1))
-            parts[part] = (a.to(owner.a.device), b.to(owner.b.device))
+            parts[part] = (a, b)  # in host memory: `put` copies them into a slot
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
         return AdapterWeights(cfg["r"], layers, nbytes)
 

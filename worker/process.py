@@ -287,6 +287,7 @@ class WorkerLoop:
             if lora is not None:
                 result.lora_loads_total = lora.loads_total
                 result.lora_evictions_total = lora.evictions_total
+                result.lora_memory_bytes = lora.memory_bytes
             self.send(result)
             self.last_sent = time.perf_counter()
 
