@@ -116,3 +116,17 @@ def test_a_process_on_tcp_needs_a_usable_key_file(tmp_path, monkeypatch):
     os.chmod(key, 0o644)
     with pytest.raises(SystemExit, match="chmod 600"):
         main(["worker", *tcp, "--curve-key-file", key])
+
+
+def test_lora_flags_and_their_refusals():
+    c = _parse("--lora-modules", "sql=/a/sql", "fr=/a/fr", "--max-loras", "2")
+    assert c.lora.enable_lora and c.lora.modules() == [("sql", "/a/sql"), ("fr", "/a/fr")]
+    assert c.lora.cpu_loras == 2 and EngineConfig.from_json(c.to_json()) == c
+    for argv, why in (
+        (("--lora-modules", "sql"), "NAME=PATH"),
+        (("--max-loras", "0"), "--max-loras"),
+        (("--max-lora-rank", "65"), "--max-lora-rank"),
+        (("--max-loras", "4", "--max-cpu-loras", "2"), "--max-cpu-loras"),
+    ):
+        with pytest.raises(SystemExit, match=why):  # a one-line message, not a traceback
+            _parse(*argv)

@@ -65,9 +65,11 @@ _TYPES = {"int": int, "float": float, "str": str}  # the fields' annotations, as
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
     if a.config_json:
         return EngineConfig.from_json_arg(a.config_json)
-    return resolve_secrets(
-        EngineConfig.build(**{name: getattr(a, name) for name in field_owners()})
-    )
+    try:  # a value its part refuses (--lora-modules NAME, --kv-addr ...): a message
+        config = EngineConfig.build(**{name: getattr(a, name) for name in field_owners()})
+    except ValueError as e:
+        raise SystemExit(f"subway: {e}") from None
+    return resolve_secrets(config)
 
 
 def resolve_secrets(config: EngineConfig) -> EngineConfig:
