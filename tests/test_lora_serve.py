@@ -49,7 +49,9 @@ def test_load_and_unload_under_load(tiny_models, five):
     names = ["tiny", "a0", "a1", "a2", "a3"]
     with Server(base, *flags) as srv:
         url = srv.url
-        alone = {(i, names[i % 5]): _text(_ask(url, names[i % 5], p)) for i, p in enumerate(prompts)}
+        alone = {
+            (i, names[i % 5]): _text(_ask(url, names[i % 5], p)) for i, p in enumerate(prompts)
+        }
         with ThreadPoolExecutor(12) as pool:
             busy = {
                 (i, names[i % 5]): pool.submit(_ask, url, names[i % 5], p)
@@ -75,3 +77,26 @@ def test_load_and_unload_under_load(tiny_models, five):
         assert _running(url) == 0
         assert sum(per_engine(url, "subway:kv_cache_usage_perc").values()) == 0
         assert os.path.isdir(five[1])  # an unload forgets the adapter; its folder stays
+
+
+def test_adapters_reach_every_data_parallel_engine(tiny_models, five):
+    """Two engines: an adapter loaded at runtime is announced to both (requests of distinct
+    prompts spread over them, and each engine loads it), and an unloaded one to both."""
+    base = tiny_models["llama"]
+    flags = (*TINY_FLAGS, "-dp", "2", "--lora-modules", f"a0={five[0]}",
+             "--max-lora-rank", "64", "--allow-runtime-lora-updating")  # fmt: skip
+    prompts = random_prompts(base, [13, 20, 7, 16, 25, 9, 30, 11], seed=41)
+    with Server(base, *flags) as srv:
+        url = srv.url
+        r = httpx.post(url + "/v1/load_lora_adapter",
+                       json={"lora_name": "a2", "lora_path": five[2]}, timeout=30)  # fmt: skip
+        assert r.status_code == 200, r.text
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: _text(_ask(url, "a2", p)), prompts))
+        again = [_text(_ask(url, "a2", p)) for p in prompts]  # whichever engine: the same
+        assert texts == again
+        loads = per_engine(url, "subway:lora_loads_total")
+        assert len(loads) == 2 and all(v >= 1 for v in loads.values()), loads  # both engines
+        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=30)
+        assert r.status_code == 200 and _ask(url, "a2", prompts[0]).status_code == 404
+        assert _text(_ask(url, "a0", prompts[0]))
