@@ -161,6 +161,10 @@ class LoraManager:
         self.evictions_total = 0
         self.slot_bytes = sum(lin.nbytes for linears in self.linears for lin in linears.values())
         self._steps = 0
+        # The `--lora-modules` adapters read now, not in their first step (all of whose
+        # sequences would wait for the read), as many as stay loaded.
+        for lora_id in list(self.known)[: self.cpu_loras]:
+            self._weights(lora_id)
 
     @property
     def memory_bytes(self) -> int:
