@@ -107,8 +107,13 @@ def expected(
 
 
 def check(outs: list, refs: list) -> None:
-    for out, ref in zip(outs, refs, strict=True):
+    """Token for token; `reference.compare` would let a divergence at a verified near-tie
+    pass (as the other equality tests do): none happens on these models, so none may."""
+    tolerated = sum(
         reference.compare(out.token_ids, ref, out.top_ids)
+        for out, ref in zip(outs, refs, strict=True)
+    )
+    assert tolerated == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
