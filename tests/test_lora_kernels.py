@@ -10,7 +10,6 @@ Rows outside the segments and outputs outside the parts must keep their bits.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -288,36 +287,10 @@ def test_avx2_build_matches_reference():
 
 # ------------------------------------------------------------------------ Triton
 
-# As tests/test_kernels_triton.py: Triton chooses at import whether it interprets, once per
-# process. Where nothing has imported it and there is no CUDA, import it interpreted (the
-# variable set only for the import); elsewhere run these tests in a child process.
-
-
-def _interpreted_triton() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if "triton" not in sys.modules:
-        if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
-            return False
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            import triton
-
-            with contextlib.suppress(ImportError):  # read lazily at the first launch
-                import triton.experimental.gluon  # noqa: F401
-            triton.knobs.runtime.interpret = True  # pinned: no longer read from the environment
-        finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
-INTERPRETED = _interpreted_triton()
+# Whether this process's Triton interprets: decided once, at import, by
+# tests/test_kernels_triton.py (where nothing has imported Triton and there is no CUDA, it is
+# imported interpreted; elsewhere these tests run in a child process).
+from test_kernels_triton import INTERPRETED  # noqa: E402
 
 
 @pytest.fixture(scope="module")
