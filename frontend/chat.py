@@ -3,8 +3,9 @@
 `chat_job` turns a chat request into a `Job` (its prompt through `chat_prompt`,
 its sampling through `inputs.sampling_params`, constrained for tool calls);
 `ChatView` renders the choices' events as chat completions, whole or streamed,
-with each choice's output parsed into tool calls when the request's tool_choice
-says so (`tools.py`).
+with each choice's output split into its reasoning and its answer under
+`--reasoning-parser` (`reasoning.py`), and the answer parsed into tool calls
+when the request's tool_choice says so (`tools.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from subway.frontend.inputs import (
 )
 from subway.frontend.logprobs import chat_logprobs, entries, render
 from subway.frontend.protocol import ChatCompletionRequest
+from subway.frontend.reasoning import ReasoningParser, reasoning_parser
 from subway.frontend.responses import (
     AssistantMessage,
     ChatChoice,
@@ -102,23 +104,34 @@ class ChatView(View):
             id=self.request_id, model=self.model, choices=choices, usage=usage
         )
 
+    def _reasoning_parser(self) -> ReasoningParser | None:
+        """A choice's reasoning parser (None: no --reasoning-parser). An output held to a
+        grammar from its first token (structured outputs, tool_choice required or named)
+        has no room to think unless the grammar writes `<think>` itself, so it is reasoning
+        only from a `<think>` at its start, whichever parser."""
+        constrained = any(sp.grammar is not None for sp in self.job.sampling)
+        return reasoning_parser(self.server.reasoning_parser, constrained)
+
     async def chunks(self, group: ChoiceGroup) -> AsyncIterator[ChatCompletionChunk]:
         req = self.req
         parsers = [tool_parser(req) for _ in range(self.n)]
+        reasoners = [self._reasoning_parser() for _ in range(self.n)]
         for i in range(req.n):
             delta = DeltaMessage(role="assistant", content="")
             yield self._chunk([ChatChunkChoice(index=i, delta=delta)])
         completion_tokens = 0
         async for ev in group.events():
             completion_tokens += len(ev.token_ids)
-            parser = parsers[ev.index]
+            parser, last = parsers[ev.index], ev.finish_reason is not None
+            reasoning, text = _split(reasoners[ev.index], ev.text, last)
             delta = (
-                _delta(parser, ev.text, ev.finish_reason is not None)
+                _delta(parser, text, last, reasoning)
                 if parser is not None
-                else DeltaMessage(content=ev.text or None)
+                else DeltaMessage(content=text or None, reasoning_content=reasoning or None)
             )
             finish = finish_reason(ev.finish_reason, parser)
-            if not (delta.content or delta.tool_calls or finish or ev.logprobs):
+            shown = delta.content or delta.reasoning_content or delta.tool_calls
+            if not (shown or finish or ev.logprobs):
                 continue
             lp = None
             if ev.logprobs and req.logprobs:
@@ -143,9 +156,7 @@ class ChatView(View):
         choices = []
         for i in range(self.n):
             parser = tool_parser(self.req)
-            message = AssistantMessage(content=texts[i])
-            if parser is not None:
-                message = _message(parser.feed(texts[i]) + parser.finish())
+            message = _answer(texts[i], parser, self._reasoning_parser())
             choices.append(
                 ChatChoice(
                     index=i,
@@ -159,9 +170,41 @@ class ChatView(View):
         )
 
 
-def _delta(parser: ToolParser, text: str, last: bool) -> DeltaMessage:
-    """One streamed piece of a choice whose output is parsed for calls: its content and
-    its pieces of calls (the first piece of a call names it and gets the call's id)."""
+def _split(reasoner: ReasoningParser | None, text: str, last: bool) -> tuple[str, str]:
+    """The (reasoning, answer) of a piece of a choice's output; all answer without a
+    reasoning parser. `last`: the output has ended, nothing is held back."""
+    if reasoner is None:
+        return "", text
+    reasoning, answer = reasoner.feed(text) if text else ("", "")
+    if last:
+        more = reasoner.finish()
+        reasoning, answer = reasoning + more[0], answer + more[1]
+    return reasoning, answer
+
+
+def _answer(text: str, parser: ToolParser | None, reasoner: ReasoningParser | None):
+    """A whole choice's message: without a reasoning parser, as it always was; with one,
+    the reasoning apart (null if none) and the answer's content null when it is empty
+    but the reasoning or calls are not (vLLM's)."""
+    reasoning, text = _split(reasoner, text, True)
+    if parser is None:
+        message = AssistantMessage(content=text)
+    else:
+        message = _message(parser.feed(text) + parser.finish())
+    if reasoner is None:
+        return message
+    empty = None if reasoning or message.tool_calls else ""
+    return AssistantMessage(
+        content=message.content or empty,
+        tool_calls=message.tool_calls,
+        reasoning_content=reasoning or None,
+    )
+
+
+def _delta(parser: ToolParser, text: str, last: bool, reasoning: str = "") -> DeltaMessage:
+    """One streamed piece of a choice whose output is parsed for calls: its reasoning (with
+    a reasoning parser), its content and its pieces of calls (the first piece of a call
+    names it and gets the call's id)."""
     pieces = parser.feed(text) if text else []
     if last:
         pieces += parser.finish()
@@ -176,7 +219,9 @@ def _delta(parser: ToolParser, text: str, last: bool) -> DeltaMessage:
         for p in pieces
         if isinstance(p, CallPiece)
     ]
-    return DeltaMessage(content=content or None, tool_calls=calls or None)
+    return DeltaMessage(
+        content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+    )
 
 
 def _message(pieces: list[Piece]) -> AssistantMessage:

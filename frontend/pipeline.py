@@ -180,7 +180,7 @@ async def serve(ctx: ServingContext, api: API, request: Request, record: AccessR
     group = admit(ctx, req, request_id, job, record, request)
     # The answer names the model the request named: an adapter's name echoes back.
     model = req.model or ctx.config.model.served_model_name
-    view = api.view(req, job, request_id, model, ctx.tokenizer)
+    view = api.view(req, job, request_id, model, ctx.tokenizer, ctx.config.server)
     if req.stream:
         return StreamingResponse(_sse(view, group), media_type="text/event-stream", headers=headers)
     try:

@@ -95,9 +95,19 @@ class ResponseToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`reasoning_content` (`--reasoning-parser`) is left out unless set, null included."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] = []
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_if_set(self, handler):
+        out = handler(self)
+        if "reasoning_content" not in self.model_fields_set:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class _Sparse(BaseModel):
@@ -140,6 +150,7 @@ class DeltaMessage(_Sparse):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser's
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -41,6 +41,7 @@ from subway.frontend.responses import (
     CompletionResponse,
     Usage,
 )
+from subway.ipc.config import ServerConfig
 
 OFFLOAD_BYTES = 64 << 10  # whole answers larger than this are assembled on a thread
 
@@ -84,8 +85,17 @@ def render_json(body: BaseModel) -> bytes:
 class View:
     """What both APIs' answers share: the choices merged, the usage."""
 
-    def __init__(self, req: SamplingRequest, job: Job, request_id: str, model: str, tokenizer):
+    def __init__(
+        self,
+        req: SamplingRequest,
+        job: Job,
+        request_id: str,
+        model: str,
+        tokenizer,
+        server: ServerConfig | None = None,
+    ):
         self.req = req
+        self.server = server or ServerConfig()  # the options answers follow (--reasoning-parser)
         self.job = job
         self.request_id = request_id
         self.model = model

@@ -188,6 +188,7 @@ class ServerConfig:
     trust_request_chat_template: bool = opt(
         False, "accept a chat template from a request (it is code the server runs)"
     )
+    reasoning_parser: str = opt("", "split the model's `<think>...</think>` from the answer into `reasoning_content` (vLLM's --reasoning-parser)", choices=("", "deepseek_r1", "qwen3"))  # fmt: skip
     max_logprobs: int = opt(
         20, "top logprobs a request may ask per token (vLLM's --max-logprobs; 20, OpenAI's "
         "bound, at most); more get 400"
