@@ -76,7 +76,7 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-def _call(text: str, arguments_key: str) -> tuple[str, str] | None:
+def parse_call(text: str, arguments_key: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call's JSON, or None if it is not one. Hermes
     models write "arguments", some "parameters": `arguments_key` first, then the other."""
     if json_depth(text) > MAX_JSON_DEPTH:
@@ -97,7 +97,7 @@ def _call(text: str, arguments_key: str) -> tuple[str, str] | None:
         return None
 
 
-def _marker_prefix(text: str, marker: str) -> int:
+def marker_prefix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):
@@ -129,7 +129,7 @@ class HermesParser(ToolParser):
             self.scanned += len(buf) - pos
             i = buf.find(marker, pos)
             if i < 0:
-                keep = _marker_prefix(buf[max(pos, len(buf) - len(marker)) :], marker)
+                keep = marker_prefix(buf[max(pos, len(buf) - len(marker)) :], marker)
                 self._take(buf[pos : len(buf) - keep], out)
                 self.tail = buf[len(buf) - keep :]
                 return out
@@ -173,7 +173,7 @@ class HermesParser(ToolParser):
         return out
 
     def _close(self, body: str, end: str, out: list[Piece]) -> None:
-        call = _call(body, "arguments")
+        call = parse_call(body, "arguments")
         self.inside = False
         if call is None:
             self._show(self.held + CALL_START + body + end, out)
@@ -231,7 +231,7 @@ class ArrayParser(ToolParser):
         return out
 
     def _item(self, out: list[Piece]) -> None:
-        call = None if self.too_deep else _call("".join(self.item), "parameters")
+        call = None if self.too_deep else parse_call("".join(self.item), "parameters")
         self.item, self.too_deep = [], False
         if call is not None:
             out.append(CallPiece(self.calls, call[1], call[0]))

@@ -7,7 +7,8 @@ into the prompt, turned into an output constraint, and the output parsed into ca
   tools writes calls that nobody would parse; vLLM renders them by default) and the
   output is never parsed into calls;
 - "auto" (the default with tools): the output is free; `HermesParser` finds
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it;
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it, or
+  another format's parser under `--tool-call-parser` (`tool_formats.py`);
 - "required": the output is constrained to a JSON array of calls, each
   `{"name": <a tool>, "parameters": <its arguments>}` (`required_schema`), read by
   `ArrayParser`;
@@ -39,11 +40,11 @@ from subway.frontend.protocol import (
     NamedToolChoice,
     ToolCall,
 )
+from subway.frontend.tool_formats import auto_parser
 from subway.frontend.tool_parsers import (
     CALL_END,
     CALL_START,
     ArrayParser,
-    HermesParser,
     NamedParser,
     ToolParser,
 )
@@ -267,11 +268,12 @@ def _native_message(m: ChatMessage) -> dict:
 # ---------------------------------------------------------------- parsing the output
 
 
-def tool_parser(req: ChatCompletionRequest) -> ToolParser | None:
-    """A parser for one choice of `req` (None: the output is only content)."""
+def tool_parser(req: ChatCompletionRequest, auto: str = "hermes") -> ToolParser | None:
+    """A parser for one choice of `req` (None: the output is only content); `auto`: the
+    format of calls the model writes freely (`--tool-call-parser`, `tool_formats.py`)."""
     mode = tool_mode(req)
     if mode == "auto":
-        return HermesParser()
+        return auto_parser(auto)
     if mode == "required":
         return ArrayParser()
     if mode == "named":

@@ -174,9 +174,7 @@ class ServerConfig:
     body_timeout: float = opt(30.0, "seconds a client has to send its request's body")
     max_connections: int = opt(2048, "open HTTP connections at most; more are refused")
     template_timeout: float = opt(10.0, "seconds a chat template and tokenization may take")
-    grammar_timeout: float = opt(
-        10.0, "seconds a structured-output grammar may take to compile; slower ones get 400"
-    )
+    grammar_timeout: float = opt(10.0, "seconds a structured-output grammar may take to compile; slower ones get 400")  # fmt: skip
     grammar_workers: int = opt(
         2, "processes that compile grammars for the frontend's check (killed past the limit)"
     )
@@ -189,6 +187,7 @@ class ServerConfig:
         False, "accept a chat template from a request (it is code the server runs)"
     )
     reasoning_parser: str = opt("", "split the model's `<think>...</think>` from the answer into `reasoning_content` (vLLM's --reasoning-parser)", choices=("", "deepseek_r1", "qwen3"))  # fmt: skip
+    tool_call_parser: str = opt("hermes", "the format of tool calls a model writes freely (tool_choice auto; vLLM's --tool-call-parser)", choices=("hermes", "llama3_json", "mistral", "pythonic"))  # fmt: skip
     max_logprobs: int = opt(
         20, "top logprobs a request may ask per token (vLLM's --max-logprobs; 20, OpenAI's "
         "bound, at most); more get 400"
