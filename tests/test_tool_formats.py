@@ -12,9 +12,10 @@ import asyncio
 import json
 
 import pytest
+from test_reasoning import FakeGroup  # what ChatView reads of a ChoiceGroup
+from test_tools import splits  # the text whole, at every split, in three, char by char
 
 from subway.frontend.chat import ChatView
-from subway.frontend.choices import ChoiceEvent
 from subway.frontend.inputs import Job, Prompt
 from subway.frontend.protocol import ChatCompletionRequest
 from subway.frontend.tool_formats import (
@@ -42,16 +43,6 @@ def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dic
             else:
                 calls[p.index][1] += p.arguments
     return content, [(n, json.loads(a)) for n, a in calls]
-
-
-def splits(text: str):
-    """The text whole, in two at every point, in three, and one character at a time."""
-    yield [text]
-    for i in range(len(text) + 1):
-        yield [text[:i], text[i:]]
-    for i in range(0, len(text), 3):
-        yield [text[:i], text[i : i + 5], text[i + 5 :]]
-    yield list(text)
 
 
 NESTED = {"q": "pensée 中文 🙂", "opts": {"deep": [1, {"x": None}], "ok": True}, "n": -2.5}
@@ -189,23 +180,6 @@ def test_the_flag_picks_the_parser():
 
 
 # ---------------------------------------------------------------- ChatView
-
-
-class FakeGroup:
-    """What `ChatView` reads of a `ChoiceGroup`: one choice's events."""
-
-    max_bytes = 0
-
-    def __init__(self, pieces: list[str]) -> None:
-        self.pieces = pieces
-
-    async def events(self):
-        for k, text in enumerate(self.pieces):
-            last = k == len(self.pieces) - 1
-            yield ChoiceEvent(0, text, [k], finish_reason="stop" if last else None)
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_pythonic_answer_streamed_and_whole_gives_the_same_calls():
