@@ -261,6 +261,37 @@ def admit(
     return group
 
 
+@dataclass
+class ChatRun:
+    """A chat request admitted for another API's door (`/v1/responses`, `/v1/messages`):
+    its view renders the choices as chat completions, which that API translates."""
+
+    req: ChatCompletionRequest
+    view: ChatView
+    group: ChoiceGroup | None
+    ignored: list[str]  # client scheduling fields dropped (IGNORED_HEADER)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+async def start_chat(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    request: Request | None = None,
+) -> ChatRun:
+    """`req` through the chat pipeline's stages (`prepare`, `admit`): the one request path
+    that every door shares; refusals raise APIError. `request`: the HTTP request, whose
+    disconnect aborts the choices."""
+    req, job, ignored = await prepare(ctx, CHAT, req)
+    group = admit(ctx, req, request_id, job, access_record(), request)
+    model = req.model or ctx.config.model.served_model_name
+    view = ChatView(req, job, request_id, model, ctx.tokenizer, ctx.config.server)
+    return ChatRun(req, view, group, ignored)
+
+
 def engine_failure(e: Exception) -> APIError:
     """The API error that a failure to run a request is."""
     if isinstance(e, APIError):

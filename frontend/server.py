@@ -10,7 +10,8 @@ access log); below it, uvicorn speaks HTTP through `http_limits.guarded_h11`
 Routes, added by group: `/health`, `/metrics`, `/version` and `/v1/models`
 (`add_status_routes`), `/v1/completions` and `/v1/chat/completions`
 (`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`),
-`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`lora_api.add_lora_routes`).
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`lora_api.add_lora_routes`),
+`/v1/responses...` (`responses_api.add_responses_routes`).
 
 `/tokenize` and `/detokenize` do on the event loop only what does not grow with
 the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
@@ -62,6 +63,7 @@ from subway.frontend.responses import (
     VersionResponse,
     render_fields,
 )
+from subway.frontend.responses_api import add_responses_routes
 from subway.frontend.scheduler_link import SchedulerLink
 from subway.frontend.zmq_endpoint import ClientEndpoint
 from subway.ipc.config import EngineConfig
@@ -143,6 +145,7 @@ def build_app(
     add_generation_routes(app, ctx)
     add_token_routes(app, ctx)
     add_lora_routes(app, ctx)
+    add_responses_routes(app, ctx)
     return app
 
 
