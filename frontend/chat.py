@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from subway.frontend.choices import ChoiceEvent, ChoiceGroup
 from subway.frontend.errors import APIError
 from subway.frontend.inputs import (
@@ -53,6 +55,7 @@ from subway.frontend.tools import (
     tool_parser,
 )
 from subway.frontend.views import View
+from subway.ipc.messages import SamplingParams
 
 
 def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
@@ -63,7 +66,20 @@ def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
     grammar = tool_grammar(req)  # None: the request's own structured output, if any
-    return Job([prompt], [sampling_params(req, max_tokens, top, limits, grammar=grammar)])
+    sampling = sampling_params(req, max_tokens, top, limits, grammar=grammar)
+    return Job([prompt], [after_thinking(sampling, limits.reasoning_parser)])
+
+
+def after_thinking(sampling: SamplingParams, parser: str) -> SamplingParams:
+    """With a reasoning parser, a JSON constraint (a schema, json_object, a tool call) holds
+    the answer after the think block, not the thinking (`Grammar.think`: DeepSeek-R1's
+    prompt opens the block, Qwen3's output may). A regex, choice or EBNF grammar holds the
+    whole output as written: it may spell out the think block itself."""
+    grammar = sampling.grammar
+    if not parser or grammar is None or grammar.kind not in ("json_schema", "json_object"):
+        return sampling
+    think = "open" if parser == "deepseek_r1" else "optional"
+    return msgspec.structs.replace(sampling, grammar=msgspec.structs.replace(grammar, think=think))
 
 
 def chat_prompt(
@@ -106,10 +122,12 @@ class ChatView(View):
 
     def _reasoning_parser(self) -> ReasoningParser | None:
         """A choice's reasoning parser (None: no --reasoning-parser). An output held to a
-        grammar from its first token (structured outputs, tool_choice required or named)
-        has no room to think unless the grammar writes `<think>` itself, so it is reasoning
-        only from a `<think>` at its start, whichever parser."""
-        constrained = any(sp.grammar is not None for sp in self.job.sampling)
+        grammar from its first token (a regex, choice or EBNF one: `after_thinking`) has no
+        room to think unless the grammar writes `<think>` itself, so it is reasoning only
+        from a `<think>` at its start, whichever parser."""
+        constrained = any(
+            sp.grammar is not None and not sp.grammar.think for sp in self.job.sampling
+        )
         return reasoning_parser(self.server.reasoning_parser, constrained)
 
     async def chunks(self, group: ChoiceGroup) -> AsyncIterator[ChatCompletionChunk]:

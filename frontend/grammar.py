@@ -40,7 +40,8 @@ from subway.frontend.grammar_pool import (
     WorkerDied,
 )
 from subway.frontend.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
-from subway.ipc.messages import JSON_OBJECT_SCHEMA, MAX_GRAMMAR_CHARS, Grammar
+from subway.ipc.grammar_build import compile_grammar
+from subway.ipc.messages import MAX_GRAMMAR_CHARS, Grammar
 
 CACHE_BYTES = 64 << 20  # `GrammarChecker`'s xgrammar cache (xgrammar keeps it near this)
 SEEN_GRAMMARS = 4096  # grammar verdicts remembered, by digest
@@ -165,20 +166,6 @@ def choice_grammar(choices: list[str], param: str = "choice") -> str:
         raise APIError(400, "choice needs at least one string", param)
     literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
     return f"root ::= {literals}"
-
-
-def compile_grammar(compiler, grammar: Grammar) -> None:
-    """Compile `grammar` with xgrammar's `compiler`, as the worker compiles it; raises
-    what xgrammar raises for one that does not compile."""
-    if grammar.kind in ("json_schema", "json_object"):
-        spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
-        compiler.compile_json_schema(spec, any_whitespace=not grammar.compact)
-    elif grammar.kind == "regex":
-        compiler.compile_regex(grammar.spec)
-    elif grammar.kind == "ebnf":
-        compiler.compile_grammar(grammar.spec)
-    else:
-        raise ValueError(f"unknown grammar kind {grammar.kind!r}")
 
 
 def encode_grammar(grammar: Grammar) -> bytes:

@@ -51,6 +51,7 @@ class Limits:
     # max_tokens of a chat request that names none (--default-max-tokens), at most the
     # context left; None: the context left (as vLLM).
     chat_max_tokens: int | None = None
+    reasoning_parser: str = ""  # --reasoning-parser: a chat's JSON constraint follows the thinking
 
 
 @dataclass

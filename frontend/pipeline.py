@@ -151,6 +151,7 @@ class ServingContext:
             max_model_len=link.info.max_model_len,
             vocab_size=link.info.vocab_size,
             chat_max_tokens=self.config.server.default_max_tokens or None,
+            reasoning_parser=self.config.server.reasoning_parser,
         )
 
     def timeout(self, requested: float | None) -> float | None:

@@ -26,8 +26,9 @@ dropped and nothing else is (the `"\\n\\n"` after `</think>` is content's, as
 vLLM keeps it); `<think>` is only a marker at the start; after `</think>` the
 text is content whatever it holds, further `<think>` blocks included. The
 markers are matched as text, whatever the tokens that wrote them. An output
-held to a grammar from its first token (`reasoning_parser`'s `constrained`)
-splits as qwen3's whichever the parser: a JSON answer is not reasoning.
+held to a grammar from its first token (`reasoning_parser`'s `constrained`: a
+regex, choice or EBNF grammar; a JSON one holds only the answer, after the
+thinking, `chat.after_thinking`) splits as qwen3's whichever the parser.
 """
 
 from __future__ import annotations

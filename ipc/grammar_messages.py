@@ -29,12 +29,15 @@ class Grammar(msgspec.Struct, array_like=True, frozen=True):
     # Set by the scheduler in the `NewSeq` it sends (with `spec` emptied): the grammar's
     # `grammar_key`, whose text reached the workers once, in a `GrammarPrepare`.
     key: int = 0
+    # A reasoning model's think block before the constraint (`grammar_build.py`): "" none,
+    # "open" (the prompt opened it: reasoning up to `</think>`), "optional" (`<think>...`).
+    think: str = ""
 
 
 def grammar_key(g: Grammar) -> int:
     """A grammar's content hash (63 bits, never 0): its name on the workers."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(f"{g.kind}\0{int(g.compact)}\0".encode())
+    h.update(f"{g.kind}\0{int(g.compact)}\0{g.think}\0".encode())
     h.update(g.spec.encode("utf-8", "surrogatepass"))
     return (int.from_bytes(h.digest(), "little") >> 1) or 1
 

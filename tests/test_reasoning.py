@@ -229,6 +229,86 @@ def test_reasoning_alone_leaves_a_null_content():
     assert whole["message"]["content"] == "just an answer"
 
 
+# ---------------------------------------------------------------- a grammar after the thinking
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                     "required": ["a"], "additionalProperties": False})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def grammar_compiler(default_model):
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok), max_threads=1)
+
+
+def accepts(compiler, grammar, text: str) -> bool:
+    """Whether `grammar` takes `text` whole, as the worker's matcher would."""
+    import xgrammar as xgr
+
+    from subway.worker.grammar import compile_grammar
+
+    matcher = xgr.GrammarMatcher(compile_grammar(compiler, grammar))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize(
+    "think, text, ok",
+    [
+        ("open", 'step one < two </th no</think>\n\n{"a": 1}', True),
+        ("open", '{"a": 1}', False),  # the prompt opened the block: it must close first
+        ("open", 'x</think>not json', False),
+        ("open", 'x</think></think>{"a": 1}', False),  # the first </think> ends it
+        ("open", 'thinking, cut', False),
+        ("optional", '{"a": 1}', True),
+        ("optional", '<think>hm</think>\n{"a": 1}', True),
+        ("optional", '<think>hm</think>\n\n\n\n{"a": 1}', False),  # blank run bounded
+        ("optional", 'hm</think>{"a": 1}', False),
+        ("", '<think>hm</think>{"a": 1}', False),
+    ],
+)  # fmt: skip
+def test_a_json_grammar_holds_the_answer_after_the_thinking(grammar_compiler, think, text, ok):
+    from subway.ipc.messages import Grammar
+
+    assert accepts(grammar_compiler, Grammar("json_schema", SCHEMA, think=think), text) is ok
+
+
+def test_an_unknown_think_is_refused(grammar_compiler):
+    from subway.ipc.messages import Grammar
+    from subway.worker.grammar import GrammarError, compile_grammar
+
+    with pytest.raises(GrammarError):
+        compile_grammar(grammar_compiler, Grammar("json_schema", SCHEMA, think="later"))
+
+
+@pytest.mark.parametrize(
+    "parser, fields, think",
+    [
+        ("deepseek_r1", {"response_format": {"type": "json_object"}}, "open"),
+        ("qwen3", {"structured_outputs": {"json": {"type": "object"}}}, "optional"),
+        ("qwen3", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                   "tool_choice": "required"}, "optional"),
+        ("qwen3", {"structured_outputs": {"regex": "a+"}}, ""),  # as written: may spell it
+        ("", {"response_format": {"type": "json_object"}}, ""),
+    ],
+)  # fmt: skip
+def test_the_chat_job_puts_a_json_constraint_after_the_thinking(
+    default_model, parser, fields, think
+):
+    from transformers import AutoTokenizer
+
+    from subway.frontend.chat import chat_job
+
+    tok = AutoTokenizer.from_pretrained(default_model)
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    )
+    job = chat_job(req, tok, Limits(2048, len(tok), reasoning_parser=parser))
+    assert job.sampling[0].grammar.think == think
+
+
 # ---------------------------------------------------------------- chat_template_kwargs
 
 

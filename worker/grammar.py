@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from subway.ipc.messages import JSON_OBJECT_SCHEMA, Grammar, GrammarReady
+from subway.ipc import grammar_build
+from subway.ipc.messages import Grammar, GrammarReady
 
 if TYPE_CHECKING:  # imported where a grammar is first used: 2 s of a worker's start
     import xgrammar as xgr
@@ -68,17 +69,9 @@ class GrammarError(ValueError):
 def compile_grammar(compiler: xgr.GrammarCompiler, grammar: Grammar) -> xgr.CompiledGrammar:
     """`grammar` compiled by `compiler` (cached there); GrammarError if it does not compile."""
     try:
-        if grammar.kind in ("json_schema", "json_object"):
-            # json_object: any object, as vLLM (xgrammar's builtin JSON allows any value)
-            spec = grammar.spec if grammar.kind == "json_schema" else JSON_OBJECT_SCHEMA
-            return compiler.compile_json_schema(spec, any_whitespace=not grammar.compact)
-        if grammar.kind == "regex":
-            return compiler.compile_regex(grammar.spec)
-        if grammar.kind == "ebnf":
-            return compiler.compile_grammar(grammar.spec)
+        return grammar_build.compile_grammar(compiler, grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"a {grammar.kind} grammar that does not compile: {e}") from e
-    raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
 
 
 @dataclass
