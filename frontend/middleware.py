@@ -4,9 +4,9 @@ A plain ASGI wrapper rather than Starlette's BaseHTTPMiddleware, which gets in
 the way of streaming responses and of disconnect detection. In order:
 
 - headers larger than `max_header_bytes` in all: 431;
-- with an API key, every route but `/health` wants `Authorization: Bearer KEY`,
-  compared in constant time: 401 otherwise (unknown routes included, so that
-  they reveal nothing);
+- with an API key, every route but `/health` wants `Authorization: Bearer KEY`
+  or `x-api-key: KEY` (Anthropic's clients send that), compared in constant
+  time: 401 otherwise (unknown routes included, so that they reveal nothing);
 - a body larger than `max_body_bytes` (by Content-Length, or counted as it
   arrives): 413. A declared oversize body is read and dropped first (up to a
   bound) so that the client, still sending, sees the answer;
@@ -15,6 +15,8 @@ the way of streaming responses and of disconnect detection. In order:
   `receive` has no deadline (it then only waits for the client to go away). The
   headers' own timeout and the connection limit are the protocol's
   (`http_limits.py`);
+- the errors it answers itself are in the OpenAI shape, and in Anthropic's on
+  the Messages API's paths (`/v1/messages...`);
 - one structured access-log line per request, on logger `subway.access`:
   method, path, status, id, prompt and output tokens, TTFT, latency, finish
   reasons (JSON). `/health` and `/metrics` log at DEBUG, the rest at INFO.
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from subway.frontend.errors import APIError
+from subway.frontend.messages_protocol import error_bytes as anthropic_error_bytes
 
 if TYPE_CHECKING:
     from subway.frontend.choices import ChoiceEvent
@@ -109,6 +112,7 @@ class GuardMiddleware:
         """`body_timeout`: seconds the body may take after the headers (0: no limit)."""
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None  # `x-api-key`'s
         self.max_body = max_body_bytes
         self.max_headers = max_header_bytes
         self.body_timeout = body_timeout
@@ -142,7 +146,7 @@ class GuardMiddleware:
                             413, f"the request body is larger than {self.max_body} bytes"
                         )
             if error is not None:
-                await _send_error(send_wrapper, error)
+                await _send_error(send_wrapper, error, _anthropic(scope))
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:
@@ -157,12 +161,13 @@ class GuardMiddleware:
         if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_headers:
             return APIError(431, f"the request headers are larger than {self.max_headers} bytes")
         if self.expected is not None and scope.get("path") != "/health":
-            given = b""
+            given = {b"authorization": b"", b"x-api-key": b""}
             for k, v in headers:
-                if k == b"authorization":
-                    given = v
-                    break
-            if not hmac.compare_digest(given, self.expected):
+                if k in given and not given[k]:
+                    given[k] = v
+            bearer = hmac.compare_digest(given[b"authorization"], self.expected)
+            key = hmac.compare_digest(given[b"x-api-key"], self.key or b"")
+            if not (bearer or key):
                 return APIError(
                     401,
                     "invalid or missing API key",
@@ -246,8 +251,14 @@ async def _drain(receive, limit: int) -> None:
             return
 
 
-async def _send_error(send, error: APIError) -> None:
-    body = error.json_bytes()
+def _anthropic(scope) -> bool:
+    """Whether the path is the Messages API's, whose errors are in Anthropic's shape."""
+    path = scope.get("path") or ""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+async def _send_error(send, error: APIError, anthropic: bool = False) -> None:
+    body = anthropic_error_bytes(error) if anthropic else error.json_bytes()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     for k, v in (error.headers or {}).items():
         headers.append((k.lower().encode(), v.encode()))

@@ -11,7 +11,8 @@ Routes, added by group: `/health`, `/metrics`, `/version` and `/v1/models`
 (`add_status_routes`), `/v1/completions` and `/v1/chat/completions`
 (`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`),
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`lora_api.add_lora_routes`),
-`/v1/responses...` (`responses_api.add_responses_routes`).
+`/v1/responses...` (`responses_api.add_responses_routes`) and `/v1/messages`
+(`messages_api.add_messages_routes`).
 
 `/tokenize` and `/detokenize` do on the event loop only what does not grow with
 the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
@@ -47,6 +48,7 @@ from subway.frontend.inputs import Limits, check_model, check_token_ids, encode,
 from subway.frontend.liveness import serve_liveness
 from subway.frontend.lora import LoraRegistry
 from subway.frontend.lora_api import add_lora_routes, model_cards
+from subway.frontend.messages_api import add_messages_routes
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,
@@ -145,6 +147,7 @@ def build_app(
     add_generation_routes(app, ctx)
     add_token_routes(app, ctx)
     add_lora_routes(app, ctx)
+    add_messages_routes(app, ctx)
     add_responses_routes(app, ctx)
     return app
 
