@@ -132,7 +132,9 @@ class ChatView(View):
 
     async def chunks(self, group: ChoiceGroup) -> AsyncIterator[ChatCompletionChunk]:
         req = self.req
-        parsers = [tool_parser(req, self.server.tool_call_parser) for _ in range(self.n)]
+        parsers = [
+            tool_parser(req, self.server.tool_call_parser, self.tokenizer) for _ in range(self.n)
+        ]
         reasoners = [self._reasoning_parser() for _ in range(self.n)]
         for i in range(req.n):
             delta = DeltaMessage(role="assistant", content="")
@@ -173,7 +175,7 @@ class ChatView(View):
     def response(self, texts, lps, finish, usage: Usage) -> ChatCompletionResponse:
         choices = []
         for i in range(self.n):
-            parser = tool_parser(self.req, self.server.tool_call_parser)
+            parser = tool_parser(self.req, self.server.tool_call_parser, self.tokenizer)
             message = _answer(texts[i], parser, self._reasoning_parser())
             choices.append(
                 ChatChoice(

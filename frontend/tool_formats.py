@@ -1,6 +1,8 @@
 """The formats of tool calls a model writes freely (tool_choice "auto"), by
 `--tool-call-parser` (vLLM's names): `hermes` (`tool_parsers.HermesParser`, the
-default), `llama3_json`, `mistral` and `pythonic`.
+default), `llama3_json`, `mistral`, `pythonic`, `qwen3_coder`
+(`tool_format_xml.Qwen3CoderParser`), and `auto`, the one the chat template asks
+for (`template_format`).
 
 Each parser keeps `tool_parsers`' contract: fed the output in any pieces it gives
 the same content and calls as fed it whole, text that is not a call is content, and a
@@ -23,8 +25,10 @@ text of one call, which is read once it closes; nesting past `MAX_JSON_DEPTH` is
 from __future__ import annotations
 
 import ast
+import functools
 import json
 
+from subway.frontend.tool_format_xml import Qwen3CoderParser
 from subway.frontend.tool_parsers import (
     MAX_JSON_DEPTH,
     CallPiece,
@@ -374,9 +378,35 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
     "pythonic": PythonicParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
+# `auto`: the format a chat template asks for, by the first row whose markers its text
+# all holds; a template that holds none gets hermes (so does one that does not take
+# tools: Subway's own system prompt asks for Hermes blocks, `tools.call_format`).
+TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qwen3_coder", ("<function=", "<parameter=")),  # Qwen3-Coder (it has <tool_call> too)
+    ("mistral", (TOOL_CALLS,)),
+    ("pythonic", ("[func_name1(",)),  # Llama 3.2/4's pythonic templates (vLLM's examples)
+    ("llama3_json", (PYTHON_TAG,)),  # Llama 3.1/3.3
+    ("llama3_json", ('"parameters": dictionary of argument name',)),  # Llama 3.x JSON
+    ("hermes", ("<tool_call>",)),  # Hermes, Qwen2.5, Qwen3
+)
 
-def auto_parser(name: str) -> ToolParser:
-    """The parser of tool_choice "auto" under `--tool-call-parser` `name`."""
+
+@functools.lru_cache(maxsize=64)
+def template_format(source: str) -> str:
+    """The `--tool-call-parser` format a chat template's text asks for (`TEMPLATE_MARKERS`),
+    decided once per template."""
+    for name, markers in TEMPLATE_MARKERS:
+        if all(m in source for m in markers):
+            return name
+    return "hermes"
+
+
+def auto_parser(name: str, tools: list | None = None) -> ToolParser:
+    """The parser of tool_choice "auto" under `--tool-call-parser` `name` (not `auto`, which
+    `tools.call_format` resolves); `tools`: the request's (qwen3_coder types by them)."""
+    if name == "qwen3_coder":
+        return Qwen3CoderParser(tools)
     return PARSERS[name]()

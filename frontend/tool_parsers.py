@@ -97,6 +97,22 @@ def parse_call(text: str, arguments_key: str) -> tuple[str, str] | None:
         return None
 
 
+def first_marker(
+    text: str, pos: int, markers: tuple[str, ...], ahead: dict[str, int]
+) -> tuple[int, str]:
+    """The first of `markers` in `text` from `pos`: (its index, it), or (-1, ""). `ahead`
+    keeps each marker's next index in `text` (-1: none), so that with several markers no
+    character is searched twice for one."""
+    at, found = -1, ""
+    for m in markers:
+        i = ahead.get(m, pos - 1)
+        if 0 <= i < pos or m not in ahead:
+            i = ahead[m] = text.find(m, pos)
+        if i >= 0 and (at < 0 or i < at):
+            at, found = i, m
+    return at, found
+
+
 def marker_prefix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
@@ -109,27 +125,41 @@ class HermesParser(ToolParser):
     """`auto`: content, then `<tool_call>` blocks. A block whose JSON is not a call stays
     content; whitespace alone between calls, or between a call and either end, is dropped;
     a last block left open is a call if its JSON is whole. Text that may begin a block's
-    marker is held until the next piece tells."""
+    marker is held until the next piece tells.
+
+    A format of other blocks (`tool_format_xml.Qwen3CoderParser`) names its markers in
+    `OPENS` (each block's opening marker, and the marker that closes it) and reads a
+    block's body in `block_calls`."""
+
+    OPENS = {CALL_START: CALL_END}
 
     def __init__(self) -> None:
         self.parts: list[str] = []  # outside a block: blank text not shown; inside: the body
         self.tail = ""  # the end of the text so far that may begin the marker sought
         self.inside = False
+        self.start = CALL_START  # the marker that opened the block we are in
         self.held = ""  # inside a block: the blank text before it, shown if it is no call
         self.shown = False  # text of the current run (since the last call) has been shown
         self.after_call = False  # the last block was a call
         self.scanned = 0  # characters searched for markers, over the parser's life
 
+    def block_calls(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        """The calls (name, arguments as JSON text) of a block's body (`closed`: its closing
+        marker was read; a block left open at the end is read too); None: it is no call."""
+        call = parse_call(body, "arguments")
+        return None if call is None else [call]
+
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
         buf, pos = self.tail + text, 0
         self.tail = ""
+        ahead: dict[str, int] = {}  # each marker's next index in buf (-1: none)
         while True:
-            marker = CALL_END if self.inside else CALL_START
+            markers = (self.OPENS[self.start],) if self.inside else tuple(self.OPENS)
             self.scanned += len(buf) - pos
-            i = buf.find(marker, pos)
+            i, marker = first_marker(buf, pos, markers, ahead)
             if i < 0:
-                keep = marker_prefix(buf[max(pos, len(buf) - len(marker)) :], marker)
+                keep = max(marker_prefix(buf[max(pos, len(buf) - len(m)) :], m) for m in markers)
                 self._take(buf[pos : len(buf) - keep], out)
                 self.tail = buf[len(buf) - keep :]
                 return out
@@ -137,9 +167,10 @@ class HermesParser(ToolParser):
             if self.inside:
                 body = "".join(self.parts) + before
                 self.parts = []
-                self._close(body, CALL_END, out)
+                self._close(body, marker, out)
             else:
                 self._open(before, out)
+                self.start = marker
 
     def _take(self, text: str, out: list[Piece]) -> None:
         """Text in which no marker starts: part of the body, shown, or held if blank."""
@@ -173,14 +204,15 @@ class HermesParser(ToolParser):
         return out
 
     def _close(self, body: str, end: str, out: list[Piece]) -> None:
-        call = parse_call(body, "arguments")
+        calls = self.block_calls(body, bool(end))
         self.inside = False
-        if call is None:
-            self._show(self.held + CALL_START + body + end, out)
+        if calls is None:
+            self._show(self.held + self.start + body + end, out)
             self.after_call = False
         else:
-            out.append(CallPiece(self.calls, call[1], call[0]))
-            self.calls += 1
+            for name, arguments in calls:
+                out.append(CallPiece(self.calls, arguments, name))
+                self.calls += 1
             self.after_call, self.shown = True, False
         self.held = ""
 

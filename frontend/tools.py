@@ -8,7 +8,8 @@ into the prompt, turned into an output constraint, and the output parsed into ca
   output is never parsed into calls;
 - "auto" (the default with tools): the output is free; `HermesParser` finds
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it, or
-  another format's parser under `--tool-call-parser` (`tool_formats.py`);
+  another format's parser under `--tool-call-parser` (`tool_formats.py`; `auto`:
+  the format the chat template asks for, `call_format`);
 - "required": the output is constrained to a JSON array of calls, each
   `{"name": <a tool>, "parameters": <its arguments>}` (`required_schema`), read by
   `ArrayParser`;
@@ -40,7 +41,7 @@ from subway.frontend.protocol import (
     NamedToolChoice,
     ToolCall,
 )
-from subway.frontend.tool_formats import auto_parser
+from subway.frontend.tool_formats import auto_parser, template_format
 from subway.frontend.tool_parsers import (
     CALL_END,
     CALL_START,
@@ -268,12 +269,26 @@ def _native_message(m: ChatMessage) -> dict:
 # ---------------------------------------------------------------- parsing the output
 
 
-def tool_parser(req: ChatCompletionRequest, auto: str = "hermes") -> ToolParser | None:
+def call_format(req: ChatCompletionRequest, flag: str, tokenizer=None) -> str:
+    """The format of calls a model writes freely under `--tool-call-parser` `flag`; `auto`:
+    the one the chat template the request gets asks for (`tool_formats.template_format`),
+    hermes for a template that does not take tools (our system prompt asks for Hermes
+    blocks). Without `tokenizer` only the request's own template is known."""
+    if flag != "auto":
+        return flag
+    source = template_source(tokenizer, req.chat_template, True)
+    return template_format(source) if template_takes_tools(source) else "hermes"
+
+
+def tool_parser(
+    req: ChatCompletionRequest, auto: str = "hermes", tokenizer=None
+) -> ToolParser | None:
     """A parser for one choice of `req` (None: the output is only content); `auto`: the
-    format of calls the model writes freely (`--tool-call-parser`, `tool_formats.py`)."""
+    format of calls the model writes freely (`--tool-call-parser`, `tool_formats.py`);
+    `tokenizer`: whose chat template `--tool-call-parser auto` reads (`call_format`)."""
     mode = tool_mode(req)
     if mode == "auto":
-        return auto_parser(auto)
+        return auto_parser(call_format(req, auto, tokenizer), req.tools)
     if mode == "required":
         return ArrayParser()
     if mode == "named":

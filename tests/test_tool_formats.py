@@ -2,14 +2,17 @@
 
 Each parser gives the same calls and content however its output is cut: whole, in
 two at every point, in three, and a character at a time; a malformed call is
-content, never an error. `ChatView` renders a `pythonic` answer's calls in
-OpenAI's shape, streamed and whole alike.
+content, never an error. `qwen3_coder` types its text values by the request's
+tools' schemas. `auto` picks the format by the markers of the chat template.
+`ChatView` renders a `pythonic` and a `qwen3_coder` answer's calls in OpenAI's
+shape, streamed and whole alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from test_reasoning import FakeGroup  # what ChatView reads of a ChoiceGroup
@@ -18,14 +21,18 @@ from test_tools import splits  # the text whole, at every split, in three, char 
 from subway.frontend.chat import ChatView
 from subway.frontend.inputs import Job, Prompt
 from subway.frontend.protocol import ChatCompletionRequest
+from subway.frontend.tool_format_xml import Qwen3CoderParser, typed_value
 from subway.frontend.tool_formats import (
     PARSERS,
+    TEMPLATE_MARKERS,
     Llama3JsonParser,
     MistralParser,
     PythonicParser,
     auto_parser,
+    template_format,
 )
 from subway.frontend.tool_parsers import MAX_JSON_DEPTH, CallPiece, HermesParser, ToolParser
+from subway.frontend.tools import call_format, tool_parser
 from subway.ipc.config import ServerConfig
 from subway.ipc.messages import SamplingParams
 
@@ -148,6 +155,190 @@ PYTHONIC = [
 ]
 
 
+def xml(name: str, **params: str) -> str:
+    """A Qwen3-Coder call block, as its chat template writes one."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "temp": {"type": "number"},
+            "metric": {"type": "boolean"},
+            "opts": {"type": "object"},
+            "tags": {"type": "array"},
+            "limit": {"type": ["integer", "null"]},
+            "unit": {"enum": ["C", "F"]},
+        },
+    },
+}
+TOOLS = [{"type": "function", "function": WEATHER}]
+
+
+def tools_of(tools: list[dict]) -> list:
+    """The request's tools as a parser takes them."""
+    messages = [{"role": "user", "content": "Hi"}]
+    return ChatCompletionRequest(messages=messages, tools=tools).tools or []
+
+
+OPEN_CALL = "<tool_call>\n<function=get_weather>\n<parameter=days>\n3"
+QWEN3_CODER = [
+    ("Hello there", "Hello there", []),
+    ("", "", []),
+    (
+        xml("get_weather", city="Paris", days="3"),
+        "",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    (
+        "Let me check.\n" + xml("get_weather", city="Zürich") + "\n" + xml("get_weather", days="2"),
+        "Let me check.\n",
+        [("get_weather", {"city": "Zürich"}), ("get_weather", {"days": 2})],
+    ),
+    (
+        xml(
+            "get_weather",
+            temp="-2.5",
+            metric="True",
+            opts='{"deep": [1, {"x": null}]}',
+            tags="['a', \"b\"]",
+            limit="null",
+            unit="C",
+        ),
+        "",
+        [
+            (
+                "get_weather",
+                {
+                    "temp": -2.5,
+                    "metric": True,
+                    "opts": {"deep": [1, {"x": None}]},
+                    "tags": ["a", "b"],
+                    "limit": None,
+                    "unit": "C",
+                },
+            )
+        ],
+    ),
+    (
+        xml("get_weather", days="three", temp="NaN", metric="yes", opts="[1]", tags="x", city="42"),
+        "",
+        [
+            (
+                "get_weather",
+                {
+                    "days": "three",
+                    "temp": "NaN",
+                    "metric": "yes",
+                    "opts": "[1]",
+                    "tags": "x",
+                    "city": "42",
+                },
+            )
+        ],
+    ),
+    (xml("get_weather", opts=DEEP), "", [("get_weather", {"opts": DEEP})]),
+    (
+        xml("other", n="3", s="\nline 1\n  line 2\n"),
+        "",
+        [("other", {"n": "3", "s": "\nline 1\n  line 2\n"})],
+    ),
+    (xml("get_weather"), "", [("get_weather", {})]),
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n<parameter=city>\nParis\n"
+        "</function>\n<function=f>\n</function>\n</tool_call>",
+        "",
+        [("get_weather", {"days": 4, "city": "Paris"}), ("f", {})],
+    ),
+    (
+        "Sure. <function=get_weather>\n<parameter=days>\n1\n</parameter>\n</function> Done.",
+        "Sure.  Done.",
+        [("get_weather", {"days": 1})],
+    ),
+    (OPEN_CALL + "\n</parameter>\n</function>\n", "", [("get_weather", {"days": 3})]),
+    (OPEN_CALL, OPEN_CALL, []),
+    (
+        "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n",
+        "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n",
+        [],
+    ),
+    (
+        "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>",
+        "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>",
+        [],
+    ),
+    (
+        "<tool_call>\n<function=f>\nsay 1\n</function>\n</tool_call>",
+        "<tool_call>\n<function=f>\nsay 1\n</function>\n</tool_call>",
+        [],
+    ),
+    (
+        "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+        [],
+    ),
+    (
+        "<tool_call><function=f></function> and text</tool_call>",
+        "<tool_call><function=f></function> and text</tool_call>",
+        [],
+    ),
+    (
+        xml("f") + "\n<tool_call>bad</tool_call>",
+        "\n<tool_call>bad</tool_call>",
+        [("f", {})],
+    ),
+    ("a < b <tool_ca", "a < b <tool_ca", []),
+    ("x <function", "x <function", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), QWEN3_CODER)
+def test_qwen3_coder_calls_are_found_however_the_text_is_cut(text, content, calls):
+    tools = tools_of(TOOLS)
+    for pieces in splits(text):
+        assert run(Qwen3CoderParser(tools), pieces) == (content, calls), pieces
+
+
+def test_a_qwen3_coder_value_is_typed_by_its_schema():
+    assert typed_value("3", {"type": "integer"}) == 3
+    assert typed_value("3.0", {"type": "integer"}) == 3
+    assert typed_value("3.5", {"type": "integer"}) == "3.5"
+    assert typed_value("true", {"type": "integer"}) == "true"
+    assert typed_value("4.0", {"type": "number"}) == 4  # vLLM's
+    assert typed_value("1e400", {"type": "number"}) == "1e400"
+    assert typed_value("FALSE", {"type": "boolean"}) is False
+    assert typed_value("Null", {"type": "string"}) is None  # vLLM's: null whatever the type
+    assert typed_value("[1, 2]", {"type": "string"}) == "[1, 2]"
+    assert typed_value("[1, 2]", None) == "[1, 2]"  # no schema: the text, as vLLM's
+    assert typed_value("{1, 2}", {"type": "array"}) == "{1, 2}"  # a set is no JSON
+    assert typed_value("{'a': (1, 2)}", {"type": "object"}) == {"a": [1, 2]}
+    assert typed_value("x", {"type": ["integer", "string"]}) == "x"
+    assert typed_value("7", {"type": ["integer", "string"]}) == 7
+    assert typed_value("7", {"type": ["string", "integer"]}) == "7"
+    assert typed_value("7", {"anyOf": [{"type": "integer"}]}) == "7"
+
+
+def test_qwen3_coder_reads_deep_and_long_output_in_one_pass():
+    deep = "[" * 100_000 + "]" * 100_000  # no RecursionError: the text of the value
+    p = Qwen3CoderParser(tools_of(TOOLS))
+    out = p.feed(xml("get_weather", opts=deep, tags=deep)) + p.finish()
+    assert out == [CallPiece(0, json.dumps({"opts": deep, "tags": deep}), "get_weather")]
+    n = 20_000  # calls in one block, and as many bare ones, in one piece
+    calls = "".join(
+        f"<function=f>\n<parameter=i>\n{i}\n</parameter>\n</function>" for i in range(n)
+    )
+    p = Qwen3CoderParser()
+    out = p.feed(f"<tool_call>{calls}</tool_call>{calls}") + p.finish()
+    assert [(c.index, c.name, c.arguments) for c in out] == [
+        (i, "f", json.dumps({"i": str(i % n)})) for i in range(2 * n)
+    ]
+
+
 @pytest.mark.parametrize(
     ("cls", "text", "content", "calls"),
     [(Llama3JsonParser, *c) for c in LLAMA3]
@@ -168,29 +359,89 @@ def test_calls_stream_as_they_close_and_content_as_it_comes():
     assert p.feed('_CALLS]f{"a": 1}') == [CallPiece(0, '{"a": 1}', "f")]
     p = Llama3JsonParser()
     assert p.feed("Hi") == ["Hi"] and p.feed(' {"name": "f"}') == [' {"name": "f"}']
+    p = Qwen3CoderParser()
+    assert p.feed("Hi <tool") == ["Hi "]
+    assert p.feed("_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>") == []
+    assert p.feed("\n</tool_call>\n<func") == [CallPiece(0, '{"a": "1"}', "f")]
+    assert p.feed("tion=g></function>") == [CallPiece(1, "{}", "g")]
 
 
 def test_the_flag_picks_the_parser():
-    assert set(PARSERS) == set(
+    assert set(PARSERS) | {"auto"} == set(
         ServerConfig.__dataclass_fields__["tool_call_parser"].metadata["choices"]
     )
     assert ServerConfig().tool_call_parser == "hermes"
     assert isinstance(auto_parser("hermes"), HermesParser)
     assert isinstance(auto_parser("pythonic"), PythonicParser)
+    assert isinstance(auto_parser("qwen3_coder", tools_of(TOOLS)), Qwen3CoderParser)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert isinstance(tool_parser(req, "mistral"), MistralParser)
+
+
+# ---------------------------------------------------------------- auto
+
+TEMPLATES = {  # a template that takes tools, and what it tells the model to write
+    "qwen3_coder": "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>",
+    "mistral": "{{ '[TOOL_CALLS]' }}",
+    "pythonic": "Respond in the format [func_name1(params_name1=params_value1, ...)]",
+    "llama3_json": "{{- '<|python_tag|>' + tool_call.name }}",
+    "hermes": '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}',
+}
+
+
+def tokenizer_with(template) -> SimpleNamespace:
+    return SimpleNamespace(chat_template=template)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_auto_takes_the_format_the_template_asks_for(name):
+    template = "{% if tools %}" + TEMPLATES[name] + "{% endif %}"
+    assert template_format(template) == name
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert call_format(req, "auto", tokenizer_with(template)) == name
+    named = {"default": "{{ messages }}", "tool_use": template}  # a tokenizer's named templates
+    assert call_format(req, "auto", tokenizer_with(named)) == name
+    assert type(tool_parser(req, "auto", tokenizer_with(template))) is PARSERS[name]
+    assert call_format(req, name, tokenizer_with("{{ tools }}")) == name  # the flag's own
+    own = ChatCompletionRequest(messages=req.messages, tools=TOOLS, chat_template=template)
+    assert call_format(own, "auto") == name  # the request's own template, when trusted
+
+
+def test_auto_falls_back_to_hermes():
+    assert template_format("{{ tools }} plain") == "hermes"
+    assert template_format('{{ tools }} "parameters": dictionary of argument name') == "llama3_json"
+    assert {name for name, _ in TEMPLATE_MARKERS} == set(PARSERS)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS)
+    # a template that does not take tools gets our Hermes system prompt, whatever it says
+    assert call_format(req, "auto", tokenizer_with("[TOOL_CALLS] {{ messages }}")) == "hermes"
+    assert call_format(req, "auto", tokenizer_with(None)) == "hermes"
+    assert call_format(req, "auto") == "hermes"
+
+
+def test_auto_gives_the_default_model_hermes(default_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert call_format(req, "auto", tokenizer) == "hermes"
+    assert type(tool_parser(req, "auto", tokenizer)) is HermesParser
 
 
 # ---------------------------------------------------------------- ChatView
 
 
-def test_a_pythonic_answer_streamed_and_whole_gives_the_same_calls():
-    tool = {
-        "type": "function",
-        "function": {"name": "get_weather", "parameters": {"type": "object"}},
-    }
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=[tool])
+ANSWERS = {
+    "pythonic": '[get_weather(city="Paris", days=3), get_weather(city="Zürich")]',
+    "qwen3_coder": xml("get_weather", city="Paris", days="3") + xml("get_weather", city="Zürich"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(ANSWERS))
+def test_an_answer_streamed_and_whole_gives_the_same_calls(flag):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS)
     job = Job([Prompt([1, 2, 3])], [SamplingParams()])
-    v = ChatView(req, job, "chatcmpl-x", "m", None, ServerConfig(tool_call_parser="pythonic"))
-    text = '[get_weather(city="Paris", days=3), get_weather(city="Zürich")]'
+    v = ChatView(req, job, "chatcmpl-x", "m", None, ServerConfig(tool_call_parser=flag))
+    text = ANSWERS[flag]
     pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
 
     async def render():
