@@ -78,6 +78,7 @@ class ChoiceEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked
+    embedding: bytes | None = None  # on the first event, when pooled (float32)
 
 
 def fan_out(req: SamplingRequest, request_id: str, job: Job) -> list[ChoiceSpec]:
@@ -267,6 +268,7 @@ def _delta_event(
     event = ChoiceEvent(spec.index, step.text, list(ids[:used]), token_logprobs(delta, used))
     if first:
         event.prompt_logprobs = _prompt_logprobs(spec, delta)
+        event.embedding = delta.embedding
     return event, step.stopped
 
 

@@ -242,21 +242,28 @@ def encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[i
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, limits: Limits) -> list[Prompt]:
-    raw = req.prompt
+    return prompts_of(req.prompt, tokenizer, limits, "prompt")
+
+
+def prompts_of(raw: str | list, tokenizer, limits: Limits, param: str) -> list[Prompt]:
+    """Prompts given as a text, token ids, or a list of either (completions' `prompt`,
+    embeddings' `input`), each tokenized or checked, and within the context."""
     if isinstance(raw, str):
         items: list = [raw]
     elif raw and isinstance(raw[0], int):
         items = [raw]
     else:
         items = list(raw)
+    if not items:
+        raise APIError(400, f"{param} is empty", param)
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompt = Prompt(encode(tokenizer, item, True, "prompt"), item)
+            prompt = Prompt(encode(tokenizer, item, True, param), item)
         else:
-            check_token_ids(item, limits, "prompt")
+            check_token_ids(item, limits, param)
             prompt = Prompt(list(item))
-        check_prompt_length(prompt, limits, "prompt")
+        check_prompt_length(prompt, limits, param)
         prompts.append(prompt)
     return prompts
 

@@ -11,8 +11,9 @@ Routes, added by group: `/health`, `/metrics`, `/version` and `/v1/models`
 (`add_status_routes`), `/v1/completions` and `/v1/chat/completions`
 (`pipeline.add_generation_routes`), `/tokenize` and `/detokenize` (`add_token_routes`),
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`lora_api.add_lora_routes`),
-`/v1/responses...` (`responses_api.add_responses_routes`) and `/v1/messages`
-(`messages_api.add_messages_routes`).
+`/v1/responses...` (`responses_api.add_responses_routes`), `/v1/messages`
+(`messages_api.add_messages_routes`), `/v1/embeddings` and `/v1/score`
+(`embeddings.add_embedding_routes`).
 
 `/tokenize` and `/detokenize` do on the event loop only what does not grow with
 the request: parsing, the checks of every id, decoding (`decode_long`, a bounded
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from subway import __version__
 from subway.frontend.chat import chat_prompt
 from subway.frontend.detokenizer import decode_long
+from subway.frontend.embeddings import add_embedding_routes
 from subway.frontend.engine import Engine
 from subway.frontend.engine_group import EngineGroup, GroupLink
 from subway.frontend.errors import APIError, from_validation_error
@@ -149,6 +151,7 @@ def build_app(
     add_lora_routes(app, ctx)
     add_messages_routes(app, ctx)
     add_responses_routes(app, ctx)
+    add_embedding_routes(app, ctx)
     return app
 
 

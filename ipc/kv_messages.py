@@ -1,5 +1,7 @@
-"""The messages between a decode worker and the prefill worker of its rank on another host
-(`worker/kv_remote.py`): part of the contract, re-exported by `messages.py`."""
+"""The messages of disaggregation, part of the contract and re-exported by `messages.py`:
+a prefill engine's lease on a prompt's blocks and its release, the copy of them into a
+decode engine (`KvImport`, `KvImported`), and the messages between a decode worker and
+the prefill worker of its rank on another host (`worker/kv_remote.py`)."""
 
 from __future__ import annotations
 
@@ -51,3 +53,53 @@ class KvBlocks(msgspec.Struct, tag="kv_blocks", omit_defaults=True):
     fetch_id: int
     layout: KvLayout | None = None
     error: str = ""
+
+
+class KvLease(msgspec.Struct, array_like=True):
+    """A prefill engine's hold on a finished request's full prompt blocks, for a decode
+    engine to copy (disaggregation): freed on `ReleaseKv` or after `LEASE_S`.
+    `source` is the engine's shared-memory prefix (its caches are `SOURCE_kvRANK`, on this
+    host), or its ranks' KV addresses, comma-separated tcp://HOST:PORT (`--kv-addr`)."""
+
+    lease_id: int
+    source: str
+    blocks: list[int]
+    # Its place in the prefill engine's lease table (`worker/kv_share.py`, `LeaseTable`):
+    # a copy is good only if the table still holds `generation` at `slot` after it, in the
+    # table of that engine's `incarnation` (a restarted engine has another).
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0
+
+
+LEASE_S = 30.0  # a lease nobody released is freed after this long
+
+
+class ReleaseKv(msgspec.Struct, tag="release_kv"):
+    """The decode side has its copy (or gave up): free the lease's blocks."""
+
+    lease_id: int
+
+
+class KvImported(msgspec.Struct, tag="kv_imported", omit_defaults=True):
+    """Each rank's answer to a KvImport: whether its shard of the blocks was copied."""
+
+    import_id: int
+    rank: int
+    ok: bool
+    seconds: float = 0.0
+    error: str = ""
+
+
+class KvImport(msgspec.Struct, tag="kv_import"):
+    """Copy blocks `src_blocks` of another engine's caches into this engine's `dst_blocks`,
+    before any later plan runs: `source` as in `KvLease`."""
+
+    import_id: int
+    source: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    # The lease's `slot`, `generation` and `incarnation` (`KvLease`): checked after the copy.
+    slot: int = -1
+    generation: int = 0
+    incarnation: int = 0

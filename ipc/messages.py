@@ -30,7 +30,16 @@ from subway.ipc.grammar_messages import (  # noqa: F401 - part of the contract, 
     GrammarRelease,
     grammar_key,
 )
-from subway.ipc.kv_messages import KvBlocks, KvFetch, KvLayout  # noqa: F401 - re-exported
+from subway.ipc.kv_messages import (  # noqa: F401 - part of the contract, re-exported
+    LEASE_S,
+    KvBlocks,
+    KvFetch,
+    KvImport,
+    KvImported,
+    KvLayout,
+    KvLease,
+    ReleaseKv,
+)
 from subway.ipc.lora_messages import AddLora, LoraAdapter, RemoveLora
 
 
@@ -43,6 +52,8 @@ class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias, at most (OpenAI: 300)
+POOLINGS = ("last", "mean")  # SamplingParams.pooling: of the prompt's final hidden states
+MAX_EMBEDDING_BYTES = 4 << 16  # an embedding: float32, 65,536 dimensions at most
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -74,6 +85,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # (and the frontend matches no stop string before then), as vLLM's min_tokens.
     min_tokens: int = 0
     grammar: Grammar | None = None  # constrain the output (rank 0 masks the logits)
+    # "last" or "mean": an embedding request (`worker/pooling.py`, max_tokens 1): its
+    # prompt's final hidden states, pooled, come back with its one token.
+    pooling: str = ""
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -92,26 +106,6 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
-class KvLease(msgspec.Struct, array_like=True):
-    """A prefill engine's hold on a finished request's full prompt blocks, for a decode
-    engine to copy (disaggregation): freed on `ReleaseKv` or after `LEASE_S`.
-    `source` is the engine's shared-memory prefix (its caches are `SOURCE_kvRANK`, on this
-    host), or its ranks' KV addresses, comma-separated tcp://HOST:PORT (`--kv-addr`)."""
-
-    lease_id: int
-    source: str
-    blocks: list[int]
-    # Its place in the prefill engine's lease table (`worker/kv_share.py`, `LeaseTable`):
-    # a copy is good only if the table still holds `generation` at `slot` after it, in the
-    # table of that engine's `incarnation` (a restarted engine has another).
-    slot: int = -1
-    generation: int = 0
-    incarnation: int = 0
-
-
-LEASE_S = 30.0  # a lease nobody released is freed after this long
-
-
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     request_id: str
     prompt: TokenRef
@@ -128,12 +122,6 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     handoff: bool = False
     kv_source: KvLease | None = None
     lora: int = 0  # the LoRA adapter's id (`LoraAdapter`); 0: the base model
-
-
-class ReleaseKv(msgspec.Struct, tag="release_kv"):
-    """The decode side has its copy (or gave up): free the lease's blocks."""
-
-    lease_id: int
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -196,6 +184,9 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     idle_time: float = 0.0  # seconds the worker waited for this plan after the previous step
     # Per sampled sequence, on its first sampled token when SamplingParams.prompt_logprobs asked.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # Per sampled sequence, on its first sampled token when SamplingParams.pooling asked: the
+    # pooled hidden state, float32 little-endian (None: the prompt was not all computed).
+    embeddings: list[bytes | None] | None = None
     # The step failed for these sequences (the worker dropped them and serves on): each of
     # their requests ends with finish_reason "error"; `error` says why (for the log).
     failed: list[int] = []
@@ -215,16 +206,6 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
 class WorkerError(msgspec.Struct, tag="worker_error"):
     rank: int
     message: str
-
-
-class KvImported(msgspec.Struct, tag="kv_imported", omit_defaults=True):
-    """Each rank's answer to a KvImport: whether its shard of the blocks was copied."""
-
-    import_id: int
-    rank: int
-    ok: bool
-    seconds: float = 0.0
-    error: str = ""
 
 
 FromWorker = WorkerReady | StepResult | WorkerError | KvImported | GrammarReady
@@ -289,20 +270,6 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-class KvImport(msgspec.Struct, tag="kv_import"):
-    """Copy blocks `src_blocks` of another engine's caches into this engine's `dst_blocks`,
-    before any later plan runs: `source` as in `KvLease`."""
-
-    import_id: int
-    source: str
-    src_blocks: list[int]
-    dst_blocks: list[int]
-    # The lease's `slot`, `generation` and `incarnation` (`KvLease`): checked after the copy.
-    slot: int = -1
-    generation: int = 0
-    incarnation: int = 0
-
-
 ToWorker = Plan | Shutdown | KvImport | GrammarPrepare | GrammarRelease
 
 
@@ -344,6 +311,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # With finish_reason "error", when the request itself is the cause (its grammar did not
     # compile on the worker, or not in time): why, for the client (a 400, not a 500).
     error: str = ""
+    # On a request's first delta, when SamplingParams.pooling asked: its embedding (as
+    # StepResult.embeddings).
+    embedding: bytes | None = None
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True):

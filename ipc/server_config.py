@@ -47,6 +47,11 @@ class ServerConfig:
     )
     reasoning_parser: str = opt("", "split the model's `<think>...</think>` from the answer into `reasoning_content` (vLLM's --reasoning-parser)", choices=("", "deepseek_r1", "qwen3"))  # fmt: skip
     tool_call_parser: str = opt("hermes", "the format of tool calls a model writes freely (tool_choice auto; vLLM's --tool-call-parser); auto: the one the chat template asks for", choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "auto"))  # fmt: skip
+    embedding_pooling: str = opt(
+        "last", "/v1/embeddings and /v1/score: the prompt's final hidden states pooled as its "
+        "last position's or their mean (a request's `pooling` may choose)",
+        choices=("last", "mean"),
+    )  # fmt: skip
     responses_store_max: int = opt(
         1024, "responses of /v1/responses kept in memory for previous_response_id, GET and "
         "background runs (store: true), oldest dropped first; 0: none kept (store is ignored)"

@@ -13,6 +13,7 @@ from subway.ipc.messages import (
     GRAMMAR_KINDS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
+    POOLINGS,
     AddRequest,
     SamplingParams,
 )
@@ -67,6 +68,8 @@ def check_sampling(sp: SamplingParams, vocab_size: int) -> str | None:
             return "a logit_bias token id outside the vocabulary"
         if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for b in bias.values()):
             return "a logit_bias value outside [-100, 100]"
+    if sp.pooling and (sp.pooling not in POOLINGS or sp.max_tokens != 1):
+        return "pooling of an unknown kind, or with max_tokens other than 1"
     g = sp.grammar
     if g is not None and (g.kind not in GRAMMAR_KINDS or len(g.spec) > MAX_GRAMMAR_CHARS):
         return "a grammar of an unknown kind or too long"

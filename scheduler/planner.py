@@ -317,8 +317,9 @@ class Planner:
         bm = q.block_manager
         bs = bm.block_size
         total = req.length
-        # A request that wants its prompt's logprobs computes the whole prompt.
-        if q.caching and req.sampling.prompt_logprobs is None:
+        # A request that wants its prompt's logprobs, or its hidden states pooled, computes
+        # the whole prompt.
+        if q.caching and req.sampling.prompt_logprobs is None and not req.sampling.pooling:
             hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs, -req.lora)
         else:
             hits = []

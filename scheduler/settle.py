@@ -39,7 +39,11 @@ def settle(
     get = requests.get
     append = deltas.append
     done: list[tuple[Request, RequestDelta]] = []
-    extras = result.logprobs is not None or result.prompt_logprobs is not None
+    extras = (
+        result.logprobs is not None
+        or result.prompt_logprobs is not None
+        or result.embeddings is not None
+    )
     counts = result.num_tokens
     lo = 0  # this sequence's first token in `tokens`
     for i, sid in enumerate(result.seq_ids):
@@ -150,3 +154,5 @@ def _attach_logprobs(
             delta.top_logprobs = result.top_logprobs[lo:hi]
     if first and result.prompt_logprobs is not None:
         delta.prompt_logprobs = result.prompt_logprobs[i]
+    if first and result.embeddings is not None:
+        delta.embedding = result.embeddings[i]

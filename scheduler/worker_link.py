@@ -57,6 +57,7 @@ import zmq
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
+    MAX_EMBEDDING_BYTES,
     Codec,
     FromWorker,
     GrammarPrepare,
@@ -383,6 +384,13 @@ def _check_result(
             return f"{len(extra)} {name} for {m} tokens"
     if msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n:
         return f"{len(msg.prompt_logprobs)} prompt_logprobs for {n} sequences"
+    if msg.embeddings is not None and (
+        len(msg.embeddings) != n
+        or any(
+            e is not None and (len(e) % 4 or len(e) > MAX_EMBEDDING_BYTES) for e in msg.embeddings
+        )
+    ):
+        return "embeddings not one per sequence, or not float32 vectors of a bounded size"
     if msg.failed:
         known = {s.seq_id for s in plan.seqs} | {s.seq_id for s in plan.new_seqs}
         if not known.issuperset(msg.failed):

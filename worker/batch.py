@@ -15,6 +15,7 @@ import numpy as np
 from subway.ipc.messages import SamplingParams, SeqStep
 from subway.kernels.attention import positions_and_slots
 from subway.worker.grammar import Grammars
+from subway.worker.pooling import PoolingTracker
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.speculative import draft_rows
 
@@ -53,6 +54,13 @@ class Batch:
     drafted: bool  # some sequence carries a draft
     plp_idx: np.ndarray | None  # prompt-logprob rows (rank 0, prefills that asked) ...
     plp_slices: list[tuple[int, int, int]] | None  # ... and the prompt slices they score
+    pool_idx: np.ndarray | None = None  # pooled rows (rank 0, embedding prefills) ...
+    pool_slices: list[tuple[int, int, int]] | None = None  # ... and the positions they are
+
+    @property
+    def extra_rows(self) -> bool:
+        """Whether some hidden states beyond the sampled rows are needed (no CUDA graph)."""
+        return bool(self.plp_slices or self.pool_slices)
 
     def row_seq_ids(self) -> list[int]:
         """Each sampled row's sequence: a drafted sequence's once per row."""
@@ -85,8 +93,10 @@ def build_batch(
     vocab_size: int,
     grammars: Grammars,
     prompt_lps: PromptLogprobTracker | None,
+    pooling: PoolingTracker | None = None,
 ) -> Batch:
-    """Plan `step_no`'s `steps` as a batch; `prompt_lps` where this rank scores prompts."""
+    """Plan `step_no`'s `steps` as a batch; `prompt_lps` where this rank scores prompts,
+    `pooling` where it pools them."""
     qlens, ends, input_ids, states, drafted = _gather(
         step_no, steps, seqs, num_blocks, block_size, vocab_size, grammars
     )
@@ -97,6 +107,9 @@ def build_batch(
     plp_idx, plp_slices = None, None
     if prompt_lps is not None:
         plp_idx, plp_slices = prompt_lps.rows(steps, qlens)
+    pool_idx, pool_slices = None, None
+    if pooling is not None:
+        pool_idx, pool_slices = pooling.rows(steps, qlens)
     sampled_rows = sampling  # one row per sequence, without drafts
     ctx = ends
     if drafted:  # a draft's positions as one-token rows (same tokens, same order)
@@ -120,6 +133,8 @@ def build_batch(
         drafted=drafted,
         plp_idx=plp_idx,
         plp_slices=plp_slices,
+        pool_idx=pool_idx,
+        pool_slices=pool_slices,
     )
 
 

@@ -30,6 +30,7 @@ from subway.worker.lora import check_loras, lora_manager, prepare_loras
 from subway.worker.model import CausalLM
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
+from subway.worker.pooling import PoolingTracker
 from subway.worker.prompt_logprobs import PromptLogprobTracker
 from subway.worker.quant import int8_ops, unsupported_reason
 from subway.worker.sampler import Sampler, SampleRequest, SamplerOutput, has_penalties
@@ -47,6 +48,7 @@ class StepOutput:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # on first samples, when asked
+    embeddings: list[bytes | None] | None = None  # on first samples, when pooled
     num_tokens: list[int] = field(default_factory=list)  # per sequence, after drafts
 
     def to_result(self, step: int, tokens: TokenRef | None = None) -> StepResult:
@@ -60,6 +62,7 @@ class StepOutput:
             top_ids=self.top_ids,
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            embeddings=self.embeddings,
             num_tokens=self.num_tokens,
         )
 
@@ -134,6 +137,7 @@ class ModelRunner:
             self.device, config.model.seed, self.eos_token_ids, kernels.argmax_rows
         )
         self.prompt_lps = PromptLogprobTracker()  # rank 0: SamplingParams.prompt_logprobs
+        self.pooling = PoolingTracker()  # rank 0: SamplingParams.pooling
         self.grammars = Grammars(  # rank 0: SamplingParams.grammar
             config.model.tokenizer or self.path, self.vocab_size, self.eos_token_ids,
             self.device, config.scheduler.max_num_seqs,
@@ -286,6 +290,8 @@ class ModelRunner:
             self.failed.difference_update(plan.finished)
         if self.prompt_lps.active:
             self.prompt_lps.forget(plan.finished)
+        if self.pooling.active:
+            self.pooling.forget(plan.finished)
         grammars = self.grammars
         if grammars.active:
             grammars.forget(plan.finished)
@@ -298,6 +304,8 @@ class ModelRunner:
             seqs[ns.seq_id] = SeqState(ids, len(ids), ns.sampling, lora=ns.lora)
             if self.rank == 0 and ns.sampling.prompt_logprobs is not None:
                 self.prompt_lps.add(ns.seq_id, ns.sampling, len(ids))
+            if self.rank == 0 and ns.sampling.pooling:
+                self.pooling.add(ns.seq_id, ns.sampling, len(ids))
             if self.rank == 0 and ns.sampling.grammar is not None:
                 grammars.add(ns.seq_id, ns.sampling.grammar)  # compiles while the step runs
             elif grammars.active:
@@ -310,9 +318,10 @@ class ModelRunner:
     def _build_batch(self, step_no: int, steps: list[SeqStep]) -> Batch:
         """The steps as a batch; prompt-logprob rows on rank 0, where some prefill asked."""
         prompt_lps = self.prompt_lps if self.rank == 0 and self.prompt_lps.active else None
+        pooling = self.pooling if self.rank == 0 and self.pooling.active else None
         return build_batch(
             step_no, steps, self.seqs, self.num_blocks, self.block_size, self.vocab_size,
-            self.grammars, prompt_lps,
+            self.grammars, prompt_lps, pooling,
         )  # fmt: skip
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -322,7 +331,7 @@ class ModelRunner:
         qlens, ctx, tables = batch.qlens, batch.ctx, batch.tables
         if (
             graphs is not None
-            and not batch.plp_slices
+            and not batch.extra_rows
             and (self.lora is None or not self.lora.step.active)
             and graphs.fits(qlens, len(batch.sampled_rows), tables.shape[1])
         ):
@@ -331,8 +340,10 @@ class ModelRunner:
         plp_idx, plp_slices = batch.plp_idx, batch.plp_slices
         md = build_metadata(qlens, ctx, tables, batch.slots, self.block_size, dev)
         sample_idx = np.cumsum(qlens)[batch.sampled_rows] - 1
-        if plp_slices:
-            sample_idx = np.concatenate([sample_idx, plp_idx])
+        num_rows = len(sample_idx)
+        if batch.extra_rows:
+            extra = [x for x in (plp_idx, batch.pool_idx) if x is not None and len(x)]
+            sample_idx = np.concatenate([sample_idx, *extra])
         hidden = self.model(
             torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
             torch.from_numpy(batch.positions).to(dev),
@@ -340,11 +351,15 @@ class ModelRunner:
             self.kv_caches,
             torch.from_numpy(sample_idx).to(dev),
         )
-        if plp_slices:
-            num_rows = len(sample_idx) - len(plp_idx)
-            extra = self.model.compute_logits(hidden[num_rows:])
-            seqs = self.seqs
-            self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
+        if batch.extra_rows:
+            at = num_rows
+            if plp_slices:
+                extra = self.model.compute_logits(hidden[at : at + len(plp_idx)])
+                seqs = self.seqs
+                self.prompt_lps.record(extra, plp_slices, lambda sid: seqs[sid].tokens)
+                at += len(plp_idx)
+            if batch.pool_slices:
+                self.pooling.record(hidden[at:], batch.pool_slices)
             hidden = hidden[:num_rows]
         return None, hidden
 
@@ -430,4 +445,6 @@ class ModelRunner:
                 result.top_logprobs = [out.top_logprobs[r] for r in kept]
             if self.prompt_lps.active:
                 result.prompt_logprobs = self.prompt_lps.emit(result.seq_ids)
+            if self.pooling.active:
+                result.embeddings = self.pooling.emit(result.seq_ids)
         return result
