@@ -1,15 +1,18 @@
-"""Two tensor-parallel ranks (gloo, two processes) give transformers' greedy tokens."""
+"""Two tensor-parallel ranks (gloo, two processes) give transformers' greedy tokens, and
+rank 0 pools embedding prefills in the same steps as transformers' hidden states."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
 
 from subway.ipc.config import EngineConfig
+from subway.ipc.messages import POOLINGS, SamplingParams
 from subway.tools.serve_process import free_port
 
 LENGTHS = [5, 23, 1, 40, 9, 12]
@@ -29,10 +32,22 @@ def _rank_main(rank: int, path: str, addr: str, prompts: list[list[int]], out_fi
     planner = MiniPlanner(budget=32)  # every rank plans the same steps
     for i, p in enumerate(prompts):
         planner.add(p, MAX_NEW, arrival=i // 2)
-    planner.run(runner)
+    pooled = {  # embedding prefills in the same steps, chunked as the others (worker/pooling.py)
+        planner.add(p, 1, SamplingParams(max_tokens=1, pooling=POOLINGS[i % 2]), i // 2): i
+        for i, p in enumerate(prompts)
+    }
+    vectors: dict[int, list[float]] = {}
+    while not planner.done():
+        plan = planner.plan()
+        out = runner.execute(plan)
+        for sid, v in zip(out.seq_ids, out.embeddings or [], strict=False):
+            if v is not None:
+                vectors[pooled[sid]] = np.frombuffer(v, dtype="<f4").tolist()
+        planner.apply(plan, out)
     torch.distributed.destroy_process_group()
     with open(f"{out_file}.{rank}", "w") as f:
-        json.dump([s.generated for s in planner.seqs.values()], f)
+        generated = [s.generated for sid, s in planner.seqs.items() if sid not in pooled]
+        json.dump({"tokens": generated, "vectors": vectors}, f)
 
 
 def _mqa_llama(root: str) -> str:
@@ -71,9 +86,27 @@ def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch
     tmp.spawn(_rank_main, args=(path, addr, prompts, out_file), nprocs=2, join=True)
     with open(out_file + ".0") as f0, open(out_file + ".1") as f1:
         rank0, rank1 = json.load(f0), json.load(f1)
-    assert rank0 == rank1  # rank 0 broadcast its samples
+    assert rank0["tokens"] == rank1["tokens"]  # rank 0 broadcast its samples
     expected = [tokens for tokens, _ in hf_greedy(path, prompts, MAX_NEW)]
-    assert rank0 == expected
+    assert rank0["tokens"] == expected
+    assert rank1["vectors"] == {}  # rank 0 pools
+    for i, want in enumerate(hf_pooled(path, prompts)):
+        got = np.array(rank0["vectors"][str(i)])
+        assert float(np.dot(got, want) / np.linalg.norm(got)) >= 0.9999, i
+
+
+def hf_pooled(path: str, prompts: list[list[int]]) -> list[np.ndarray]:
+    """transformers' final hidden states of each prompt, pooled as POOLINGS[i % 2], unit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            h = model(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0]
+        v = h[-1] if POOLINGS[i % 2] == "last" else h.mean(0)
+        out.append((v / v.norm()).numpy())
+    return out
 
 
 def _stalling_rank(rank: int, addr: str, out_file: str) -> None:
