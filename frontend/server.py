@@ -51,6 +51,7 @@ from subway.frontend.liveness import serve_liveness
 from subway.frontend.lora import LoraRegistry
 from subway.frontend.lora_api import add_lora_routes, model_cards
 from subway.frontend.messages_api import add_messages_routes
+from subway.frontend.messages_tokens import add_count_tokens_route
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
     MAX_BODY_BYTES,
@@ -150,6 +151,7 @@ def build_app(
     add_token_routes(app, ctx)
     add_lora_routes(app, ctx)
     add_messages_routes(app, ctx)
+    add_count_tokens_route(app, ctx)
     add_responses_routes(app, ctx)
     add_embedding_routes(app, ctx)
     return app

@@ -606,6 +606,18 @@ def test_create_stream_and_chat_completions_agree(keyed):
     assert assembled["usage"]["output_tokens"] == expected["usage"]["completion_tokens"]
 
 
+def test_count_tokens_is_the_prompt_the_message_would_take(keyed):
+    expected = chat(keyed.url, {**STORY, **GREEDY})["usage"]["prompt_tokens"]
+    with client(keyed.url, KEY) as c:
+        fields = {k: v for k, v in STORY.items() if k != "max_tokens"}
+        counted = c.messages.count_tokens(**fields)
+        assert counted.input_tokens == expected
+        with pytest.raises(anthropic.BadRequestError):
+            c.messages.count_tokens(model=STORY["model"], messages=[{"role": "user"}])
+        with pytest.raises(anthropic.NotFoundError):
+            c.messages.count_tokens(model="nope", messages=STORY["messages"])
+
+
 def test_the_stop_sequence_that_ended_the_answer_is_named(keyed):
     full = chat(keyed.url, {**STORY, **GREEDY})["message"]["content"]
     at = next(i for i in range(len(full) // 2, len(full) - 1) if full[i : i + 2].strip())
