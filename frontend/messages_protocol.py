@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from subway.frontend.errors import APIError
@@ -259,3 +260,16 @@ def error_body(e: APIError) -> dict:
 
 def error_bytes(e: APIError) -> bytes:
     return json.dumps(error_body(e), ensure_ascii=False).encode()
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether `path` is the Messages API's, whose errors are in Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_json(e: APIError, path: str) -> JSONResponse:
+    """`e` as the response of a request to `path`: Anthropic's shape on the Messages API's
+    paths, OpenAI's elsewhere."""
+    if is_messages_path(path):
+        return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+    return e.response()

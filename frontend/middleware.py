@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from subway.frontend.errors import APIError
 from subway.frontend.messages_protocol import error_bytes as anthropic_error_bytes
+from subway.frontend.messages_protocol import is_messages_path
 
 if TYPE_CHECKING:
     from subway.frontend.choices import ChoiceEvent
@@ -146,7 +147,7 @@ class GuardMiddleware:
                             413, f"the request body is larger than {self.max_body} bytes"
                         )
             if error is not None:
-                await _send_error(send_wrapper, error, _anthropic(scope))
+                await _send_error(send_wrapper, error, is_messages_path(scope.get("path") or ""))
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:
@@ -249,12 +250,6 @@ async def _drain(receive, limit: int) -> None:
         seen += len(message.get("body", b""))
         if not message.get("more_body", False):
             return
-
-
-def _anthropic(scope) -> bool:
-    """Whether the path is the Messages API's, whose errors are in Anthropic's shape."""
-    path = scope.get("path") or ""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 async def _send_error(send, error: APIError, anthropic: bool = False) -> None:

@@ -51,6 +51,7 @@ from subway.frontend.liveness import serve_liveness
 from subway.frontend.lora import LoraRegistry
 from subway.frontend.lora_api import add_lora_routes, model_cards
 from subway.frontend.messages_api import add_messages_routes
+from subway.frontend.messages_protocol import error_json
 from subway.frontend.messages_tokens import add_count_tokens_route
 from subway.frontend.metrics import Metrics
 from subway.frontend.middleware import (
@@ -179,7 +180,8 @@ def _lifespan(
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as an OpenAI-style error body (`APIError.response`)."""
+    """Every error leaves as an OpenAI-style error body (`APIError.response`), or as
+    Anthropic's on the Messages API's paths (`messages_protocol.error_json`)."""
     app.exception_handler(APIError)(_api_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.exception_handler(StarletteHTTPException)(_http_error)
@@ -187,20 +189,20 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return e.response()
+    return error_json(e, request.url.path)
 
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    return APIError(400, str(e)).response()
+    return error_json(APIError(400, str(e)), request.url.path)
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    return APIError(e.status_code, str(e.detail)).response()
+    return error_json(APIError(e.status_code, str(e.detail)), request.url.path)
 
 
 async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     log.exception("unexpected error on %s", request.url.path)
-    return APIError(500, f"internal error: {type(e).__name__}").response()
+    return error_json(APIError(500, f"internal error: {type(e).__name__}"), request.url.path)
 
 
 def add_status_routes(

@@ -1,6 +1,7 @@
 """Every HTTP endpoint of a live `subway serve`, fuzzed from its request model's schema.
 
-The POST routes take their bodies from the pydantic models of `frontend/protocol.py`:
+The POST routes take their bodies from their pydantic request models (`frontend/protocol.py`,
+`responses_protocol.py`, `messages_protocol.py`, `embeddings.py`):
 each model's JSON schema (`model_json_schema()`) becomes a hypothesis strategy
 (`Schema`), so a field added to a model is fuzzed without a change here; `HINTS`
 steer a few fields toward values that get far (the served model, short prompts,
@@ -37,6 +38,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from subway.frontend.embeddings import EmbeddingRequest, ScoreRequest
+from subway.frontend.messages_protocol import MessagesRequest, is_messages_path
 from subway.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +48,7 @@ from subway.frontend.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from subway.frontend.responses_protocol import ResponsesRequest
 from subway.ipc.messages import SamplingParams
 from subway.scheduler.checks import check_sampling
 
@@ -71,8 +75,19 @@ POST_MODELS = {
     # Without --enable-lora every body is refused (400): the refusal is fuzzed.
     "/v1/load_lora_adapter": LoadLoraAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": MessagesRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/score": ScoreRequest,
 }
 GET_ROUTES = ("/health", "/metrics", "/version", "/v1/models", "/openapi.json")
+# Routes with a response id in their path (random ids: 404s, or a response made meanwhile),
+# and the Messages API's other methods (405s in Anthropic's shape).
+ID_ROUTES = (("GET", "/v1/responses/{rid}"), ("DELETE", "/v1/responses/{rid}"),
+             ("GET", "/v1/responses/{rid}/input_items"), ("POST", "/v1/responses/{rid}/cancel"))  # fmt: skip
+OTHER_ROUTES = tuple((m, "/v1/messages") for m in ("GET", "PUT", "PATCH", "DELETE"))
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
 
 # ---------------------------------------------------------------- values
@@ -142,6 +157,15 @@ HINTS: dict[str, st.SearchStrategy] = {
     "n": st.integers(1, 3) | st.sampled_from([64, 65]),
     "best_of": st.integers(1, 4) | st.sampled_from([64, 65]),
     "prompt": st.text(min_size=1, max_size=30),
+    "input": st.text(min_size=1, max_size=30),  # a response's, an embedding's
+    "max_output_tokens": st.integers(1, 16),
+    # A user's text: a conversation both chat and the Messages API take.
+    "messages": st.lists(
+        st.builds(lambda t: {"role": "user", "content": t}, st.text(min_size=1, max_size=20)),
+        min_size=1, max_size=2,
+    ),  # fmt: skip
+    "text_1": st.text(min_size=1, max_size=20),
+    "text_2": st.text(min_size=1, max_size=20),
     "stream_options": st.none(),  # (it needs "stream": true)
     "logit_bias": st.dictionaries(
         st.integers(-1, VOCAB).map(str) | numeric_keys, st.floats(-100, 100), min_size=1, max_size=3
@@ -315,6 +339,12 @@ queries = st.dictionaries(st.text(max_size=8), st.text(max_size=12), max_size=3)
     lambda q: "?" + urllib.parse.urlencode(q) if q else ""
 )
 gets = st.builds(lambda p, q: Call("GET", p + q), st.sampled_from(GET_ROUTES), queries)
+by_id = st.builds(
+    lambda route, rid: Call(route[0], route[1].replace("{rid}", urllib.parse.quote(rid, safe=""))),
+    st.sampled_from(ID_ROUTES),
+    st.text(min_size=1, max_size=12)
+    | st.text("0123456789abcdef", max_size=32).map("resp_".__add__),
+) | st.builds(lambda route: Call(*route), st.sampled_from(OTHER_ROUTES))
 KNOWN = sorted([*POST_MODELS, *GET_ROUTES])
 elsewhere = st.builds(
     lambda m, p: Call(m, p),
@@ -324,37 +354,61 @@ elsewhere = st.builds(
 )
 calls = st.one_of(
     valid_posts, valid_posts, valid_posts, junk_posts, junk_posts, junk_posts,
-    raw_posts, any_json_posts, gets, elsewhere,
+    raw_posts, any_json_posts, gets, elsewhere, by_id,
 )  # fmt: skip
 
 # ---------------------------------------------------------------- checks
 
 
 def check(call: Call, r: httpx.Response) -> None:
-    """No 5xx, no traceback, errors as OpenAI error objects, streams ending in [DONE],
-    a choice constraint's answers among its choices."""
+    """No 5xx, no traceback, errors in the API's own shape (OpenAI's; Anthropic's on the
+    Messages API), streams ending as their API ends them, a choice constraint's answers
+    among its choices."""
     assert r.status_code < 500, (call, r.status_code, r.text[:500])
     assert "Traceback" not in r.text, (call, r.text[:2000])
     if call.method == "HEAD" or r.status_code == 204:
         return
+    path = call.path.split("?")[0]
     if r.status_code >= 400:
-        err = r.json()["error"]
+        body = r.json()
+        if is_messages_path(path):
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (
+                call, r.text[:500])  # fmt: skip
+            return
+        err = body["error"]
         assert set(err) == {"message", "type", "param", "code"}, (call, r.text[:500])
         return
     ctype = r.headers.get("content-type", "")
     if ctype.startswith("text/event-stream"):
-        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
-        assert lines and lines[-1] == "data: [DONE]", (call, r.text[-500:])
-        for line in lines[:-1]:
-            event = json.loads(line[6:])
-            if "error" in event:
-                assert event["error"]["code"] < 500, (call, event)
+        check_stream(call, path, [line[6:] for line in r.text.splitlines()
+                                  if line.startswith("data: ")])  # fmt: skip
     elif ctype.startswith("application/json"):
         body = r.json()
         allowed = choice_constraint(call)
         for c in body.get("choices", []) if allowed else []:
             text = c["text"] if "text" in c else c["message"]["content"]
             assert c["finish_reason"] != "stop" or text in allowed, (call, text)
+
+
+def check_stream(call: Call, path: str, data: list[str]) -> None:
+    """A stream's events: each API's last event, and no error event of a server fault."""
+    assert data, (call, "an empty stream")
+    if path == "/v1/messages":
+        events = [json.loads(d) for d in data]
+        assert events[-1]["type"] in ("message_stop", "error"), (call, data[-3:])
+        faults = [e for e in events if e["type"] == "error" and e["error"]["type"] == "api_error"]
+        assert not faults, (call, faults)
+    elif path == "/v1/responses":
+        events = [json.loads(d) for d in data]
+        last = ("response.completed", "response.incomplete", "response.failed")
+        assert events[-1]["type"] in last, (call, data[-3:])
+        assert all(int(e["code"]) < 500 for e in events if e["type"] == "error"), (call, data)
+    else:
+        assert data[-1] == "[DONE]", (call, data[-3:])
+        for line in data[:-1]:
+            event = json.loads(line)
+            if "error" in event:
+                assert event["error"]["code"] < 500, (call, event)
 
 
 def choice_constraint(call: Call) -> list[str] | None:
@@ -501,6 +555,7 @@ def test_every_route_is_fuzzed(server):
     spec = httpx.get(server.url + "/openapi.json", timeout=10).json()
     listed = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
     fuzzed = {("POST", p) for p in POST_MODELS} | {("GET", p) for p in GET_ROUTES}
+    fuzzed |= set(ID_ROUTES) | set(OTHER_ROUTES)
     assert listed == fuzzed - {("GET", "/openapi.json")}
 
 
