@@ -9,6 +9,9 @@ up to `</think>`), "optional" when the output may start with one (Qwen3's). The
 block's text is anything without `</think>` (`THINK_BODY`: the automaton of the
 marker, written as rules, since the marker's `<` occurs only at its start), and
 at most two blank characters may follow it before the answer.
+
+A JSON grammar allows at most `MAX_JSON_WHITESPACE` whitespace characters in a row
+(compact ones only json.dumps' separators), so that no output is a run of blanks.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from __future__ import annotations
 from subway.ipc.grammar_messages import JSON_OBJECT_SCHEMA, Grammar
 
 THINK_START, THINK_END = "<think>", "</think>"
+# Whitespace characters at most between two tokens of a JSON output (xgrammar's
+# `max_whitespace_cnt`): room for pretty-printing ("\n" and an indent 16 deep), none for
+# a small model to spend its max_tokens on a run of blanks. Compact JSON (vLLM's
+# `disable_any_whitespace`) allows only json.dumps' ", " and ": ".
+MAX_JSON_WHITESPACE = 20
 
 
 def _think_body() -> str:
@@ -35,13 +43,20 @@ THINK_RULES = {
 }
 
 
+def json_whitespace(grammar: Grammar) -> dict:
+    """xgrammar's whitespace options of a JSON grammar: compact, or runs bounded."""
+    if grammar.compact:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
 def compile_grammar(compiler, grammar: Grammar):
     """`grammar` compiled by xgrammar's `compiler` (cached there); raises what xgrammar
     raises for one that does not compile, ValueError for an unknown kind or think."""
     spec = grammar.spec if grammar.kind != "json_object" else JSON_OBJECT_SCHEMA
     if not grammar.think:
         if grammar.kind in ("json_schema", "json_object"):
-            return compiler.compile_json_schema(spec, any_whitespace=not grammar.compact)
+            return compiler.compile_json_schema(spec, **json_whitespace(grammar))
         if grammar.kind == "regex":
             return compiler.compile_regex(spec)
         if grammar.kind == "ebnf":
@@ -52,7 +67,7 @@ def compile_grammar(compiler, grammar: Grammar):
     if grammar.think not in THINK_RULES:
         raise ValueError(f"unknown think block {grammar.think!r}")
     if grammar.kind in ("json_schema", "json_object"):
-        answer = xgr.Grammar.from_json_schema(spec, any_whitespace=not grammar.compact)
+        answer = xgr.Grammar.from_json_schema(spec, **json_whitespace(grammar))
     elif grammar.kind == "regex":
         answer = xgr.Grammar.from_regex(spec)
     elif grammar.kind == "ebnf":

@@ -584,6 +584,31 @@ def test_best_of_returns_the_n_runs_of_highest_cumulative_logprob(client):
             client.completions.create(**args | bad)
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_json_whitespace_runs_are_bounded_by_default(tok, compact):
+    """A JSON grammar takes pretty-printed JSON but no run of blanks longer than
+    MAX_JSON_WHITESPACE (a small model would spend its max_tokens there); a compact one
+    takes only json.dumps' separators."""
+    import xgrammar as xgr
+
+    from subway.ipc.grammar_build import MAX_JSON_WHITESPACE, compile_grammar
+    from subway.ipc.messages import Grammar
+
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    compiled = compile_grammar(xgr.GrammarCompiler(info, max_threads=1),
+                               Grammar("json_schema", schema, compact=compact))  # fmt: skip
+
+    def takes(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert takes('{"a": 1}')
+    assert takes('{\n    "a": 1\n}') is not compact
+    assert takes("{" + " " * MAX_JSON_WHITESPACE + '"a": 1}') is not compact
+    assert not takes("{" + " " * (MAX_JSON_WHITESPACE + 1) + '"a": 1}')
+
+
 def test_disable_any_whitespace_writes_json_as_json_dumps_does(client):
     """vLLM's `structured_outputs.disable_any_whitespace`: the only whitespace left is the
     single space after ", " and ": ", greedy and sampled, so the text is exactly what
