@@ -19,7 +19,8 @@ built on first use, on a compile thread, with its cache capped at
 
 Each step, `prepare` fills one preallocated bitmask for every constrained row
 that samples, in one `batch_fill_next_token_bitmask` call; the sampler applies
-it to its copy of the logits (`TokenMask.apply`, one call for the batch); then
+it to its copy of the logits (`TokenMask.apply`, one call for the batch; a JSON row
+within its last tokens is first narrowed to closing ones, `json_budget.py`); then
 `GrammarStep.accept` advances all those matchers with their sampled tokens in
 one `batch_accept_token` call. A terminated matcher (it accepted EOS: the step
 the scheduler discards under overlap) gets no mask and accepts nothing.
@@ -44,6 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -52,6 +54,7 @@ import torch
 
 from subway.ipc import grammar_build
 from subway.ipc.messages import Grammar, GrammarReady
+from subway.worker.json_budget import ClosingSet, Row, window_from_env
 
 if TYPE_CHECKING:  # imported where a grammar is first used: 2 s of a worker's start
     import xgrammar as xgr
@@ -82,10 +85,14 @@ class TokenMask:
     bitmask: torch.Tensor  # int32 [>= max(rows) + 1, ceil(vocab / 32)]
     rows: list[int]
     ext: object | None = None  # the CPU kernels (`subway_kernels/csrc/mask_cpu.cpp`), or None
+    closing: ClosingSet | None = None  # the vocabulary's closing tokens (`json_budget.py`)
 
-    def apply(self, scores: torch.Tensor) -> None:
+    def apply(self, scores: torch.Tensor, requests: Sequence[Row] = ()) -> None:
         """Disallowed tokens of `rows` to -inf, in place, in one call for the batch: our CPU
-        kernel where it applies (30x xgrammar's on a JSON schema's mask), else xgrammar's."""
+        kernel where it applies (30x xgrammar's on a JSON schema's mask), else xgrammar's.
+        `requests` (the batch's rows): those in their closing window are narrowed first."""
+        if self.closing is not None and requests:
+            self.closing.apply(self.bitmask, self.rows, requests)
         if (
             self.ext is not None
             and scores.device.type == "cpu"
@@ -153,15 +160,19 @@ class Grammars:
         max_rows: int,
         ext: object | None = None,
         compile_timeout: float = 10.0,
+        closing_window: int | None = None,
     ) -> None:
         """`ext`: the compiled CPU kernels, whose mask kernel then serves (`TokenMask`).
-        `compile_timeout`: seconds a compile may take before its grammar counts as failed."""
+        `compile_timeout`: seconds a compile may take before its grammar counts as failed.
+        `closing_window`: a JSON's closing window (`json_budget.py`; None: from the environment)."""
         self.tokenizer_path = tokenizer_path
         self.ext = ext
         self.max_rows = max_rows  # the bitmask's rows: sampled rows of a step, at most
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        self.closing_window = window_from_env() if closing_window is None else closing_window
+        self.closing: ClosingSet | None = None  # made with the compiler, if the window is > 0
         self.seqs: dict[int, _Constrained] = {}
         self.compile_timeout = compile_timeout
         self.keyed: dict[int, _Prepared] = {}  # grammars by key, until released
@@ -318,7 +329,7 @@ class Grammars:
             n = rows[-1] + 1
             bitmask = self._device_mask[:n]
             bitmask.copy_(host[:n], non_blocking=True)
-        return GrammarStep(TokenMask(bitmask, rows, self.ext), states)
+        return GrammarStep(TokenMask(bitmask, rows, self.ext, self.closing), states)
 
     # ------------------------------------------------------------------ pieces
 
@@ -414,6 +425,11 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
                 )
+                if self.closing_window > 0:  # before the first compile ends: before any mask
+                    self.closing = ClosingSet.of_vocab(
+                        info.decoded_vocab, info.stop_token_ids, self.vocab_size,
+                        self.closing_window,
+                    )  # fmt: skip
                 self._compiler = xgr.GrammarCompiler(
                     info,
                     max_threads=_COMPILER_THREADS,

@@ -84,17 +84,22 @@ def seeded_exponential(
     keys = _mix64(seeds * _GOLDEN + counters + 1)  # [rows]
     cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _STREAM
     bits = _mix64(keys[:, None] ^ cols[None, :])
-    # 24 high bits -> a uniform in (0, 1), exact in float32, never 0.
-    u = (_shr(bits, 40).to(dtype) + 0.5) * (1.0 / (1 << 24))
+    # 24 high bits -> a uniform in (0, 1), never 0 nor 1. The top one, 1 - 2^-25, rounds to
+    # 1.0 in float32, whose noise -log(1) = -0 made the race divide 0 by 0 (2^-24 of the
+    # entries: a masked token, its probability 0, came out NaN and won the argmax): held
+    # at float32's largest value below 1.
+    u = ((_shr(bits, 40).to(dtype) + 0.5) * (1.0 / (1 << 24))).clamp_(max=1.0 - 2.0**-24)
     return -torch.log(u)
 
 
 class LogitMask(Protocol):
-    """Allowed tokens of some rows (`rows`); `apply` sets the others to -inf, in place."""
+    """Allowed tokens of some rows (`rows`); `apply` sets the others to -inf, in place;
+    `requests` (the batch's rows) tell a row's progress, for a mask that depends on it
+    (a JSON's closing window, `json_budget.py`)."""
 
     rows: list[int]
 
-    def apply(self, scores: torch.Tensor) -> None: ...
+    def apply(self, scores: torch.Tensor, requests: Sequence[SampleRequest] = ()) -> None: ...
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -165,7 +170,7 @@ class Sampler:
             return raw
         scores = raw if own else raw.clone()
         if mask is not None:
-            mask.apply(scores)
+            mask.apply(scores, rows)
         if bias is not None:
             scores.index_put_(bias[0], bias[1], accumulate=True)
         if held is not None:
