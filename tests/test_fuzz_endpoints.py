@@ -162,7 +162,8 @@ HINTS: dict[str, st.SearchStrategy] = {
     # A user's text: a conversation both chat and the Messages API take.
     "messages": st.lists(
         st.builds(lambda t: {"role": "user", "content": t}, st.text(min_size=1, max_size=20)),
-        min_size=1, max_size=2,
+        min_size=1,
+        max_size=2,
     ),  # fmt: skip
     "text_1": st.text(min_size=1, max_size=20),
     "text_2": st.text(min_size=1, max_size=20),
