@@ -88,6 +88,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = opt(64, "sequences in one step at most")
     max_num_batched_tokens: int = opt(512, "tokens in one step at most (the token budget)")
+    max_pooling_tokens: int = opt(
+        128, "tokens of pooled prompts (embeddings, scores) in a step that also decodes, at "
+        "most, so that generation keeps its pace beside an embeddings load; 0: no limit"
+    )  # fmt: skip
     policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
     static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")
     slo_ttft_ms: float = opt(1000.0, "--policy edf: a chat's TTFT SLO when its request names none")

@@ -43,66 +43,18 @@ blocks are full and never written again, so there is no copy-on-write.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 from subway.ipc.config import SchedulerConfig
 from subway.ipc.messages import NewSeq, SeqStep
-from subway.scheduler.block_manager import BlockManager
-from subway.scheduler.policy import Policy, StepView
+from subway.scheduler.planned import Planned, Queues
+from subway.scheduler.policy import StepView
 from subway.scheduler.request import NEVER, Request, RequestStatus
-from subway.scheduler.slo import StepCost
-from subway.scheduler.speculative import SpeculativeConfig, propose
-from subway.scheduler.stats import SchedulerStats
+from subway.scheduler.speculative import propose
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 
 # _admit outcomes
 _ADMITTED, _SKIPPED, _BLOCKED = 1, 0, -1
-
-
-class Queues(Protocol):
-    """What the planner reads of the scheduler that owns the queues, and the scheduler's
-    rules it calls while a plan is built (`scheduler.Scheduler` is the one owner)."""
-
-    waiting: list[Request]
-    running: list[Request]
-    block_manager: BlockManager
-    policy: Policy
-    stats: SchedulerStats
-    step_cost: StepCost
-    speculative: SpeculativeConfig | None
-    caching: bool
-    num_interactive: int
-
-    @property
-    def num_running(self) -> int: ...
-
-    def clock(self) -> float: ...
-
-    def mark_running(self, req: Request) -> None: ...
-
-    def preempt(self, req: Request) -> None: ...
-
-    def cache_blocks(self, req: Request, upto: int) -> None: ...
-
-
-@dataclass(slots=True)
-class Planned:
-    """One plan's outcome, for the scheduler to apply: the steps and new sequences it
-    sends, the waiting requests it admitted (the first `num_admitted` of the queue, unless
-    `scattered`: then those no longer waiting), and the requests it preempted (to queue
-    again once the plan is built, so that none is re-admitted in it)."""
-
-    steps: list[SeqStep] = field(default_factory=list)
-    new_seqs: list[NewSeq] = field(default_factory=list)
-    num_admitted: int = 0
-    scattered: bool = False
-    requeue: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    decode_kv: int = 0  # the context the decodes read (for the step cost model)
-    capped: bool = False  # the policy's cap cut a batch chunk
 
 
 class Planner:
@@ -129,6 +81,9 @@ class Planner:
         # steps): admission stops before a plan would pass it, so no plan is refused.
         self.max_new_seq_bytes = max_message_bytes // 2
         self._new_seq_bytes = 0
+        # Tokens pooled prompts may still take in the step being built (None: no limit).
+        self.max_pooling_tokens = config.max_pooling_tokens
+        self._pool_room: int | None = None
 
     def plan(self, step: int) -> Planned:
         """Plan step number `step` over the scheduler's queues (its waiting list sorted in
@@ -148,6 +103,9 @@ class Planner:
         self._preempted = False
         prefills: list[Request] = []
         budget = self._decodes(step, self.max_num_batched_tokens, prefills)
+        # Pooled prompts share a step that decodes up to `max_pooling_tokens` (generation
+        # keeps its pace beside an embeddings load); alone, they take the whole budget.
+        self._pool_room = self.max_pooling_tokens if out.steps and self.max_pooling_tokens else None
         if budget > 0 and (prefills or q.waiting):
             self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget, out.decode_kv)
             budget = self._prefill_and_admit(step, budget, prefills, not self._preempted)
@@ -235,8 +193,6 @@ class Planner:
         be admitted, and is off for the step once it had to preempt for blocks."""
         q = self.queues
         key = q.policy.key
-        bm = q.block_manager
-        steps = self._out.steps
         waiting = q.waiting
         if len(prefills) > 1:
             prefills.sort(key=key)
@@ -263,40 +219,57 @@ class Planner:
                 break
             req = prefills[pi]
             pi += 1
-            if req.status is not _RUNNING:
-                continue  # preempted in this step
-            pos = req.num_computed_tokens
-            remaining = req.length + req.num_inflight - pos
-            sid = req.seq_id
-            n = remaining if remaining < budget else budget
-            if self._cap is not None and req.slo_class == "batch":
-                n = self._capped_chunk(n, budget)
-                if n == 0:
-                    continue
-            fit = bm.max_new_tokens(sid)
-            if fit < n:
-                if fit <= 0:  # preempt for one block at least, then take what fits
-                    admitting = False
-                    if not self._make_room(req, 1, step):
-                        continue
-                    budget += self._take_released()
-                    n = remaining if remaining < budget else budget
-                    fit = bm.max_new_tokens(sid)
-                n = fit if fit < n else n  # a smaller chunk rather than more preemption
-            if pos >= req.cache_upto:
-                q.cache_blocks(req, pos)
-            sample = n == remaining
-            new_blocks = bm.allocate(sid, n)
-            req.num_slots += bm.block_size * len(new_blocks)
-            steps.append(SeqStep(sid, pos, n, new_blocks, sample))
-            req.num_computed_tokens = pos + n
-            if sample:
-                req.num_inflight += 1
-            req.scheduled_step = step
-            budget -= n
+            if req.status is _RUNNING:  # (not preempted in this step)
+                budget, made_room = self._next_chunk(req, step, budget)
+                admitting = admitting and not made_room
         self._out.num_admitted = admitted
         self._out.scattered = scattered
         return budget
+
+    def _next_chunk(self, req: Request, step: int, budget: int) -> tuple[int, bool]:
+        """Plan running `req`'s next prefill chunk: (budget left, whether it had to preempt
+        for a block, which ends admission for the step)."""
+        q = self.queues
+        bm = q.block_manager
+        pos = req.num_computed_tokens
+        remaining = req.length + req.num_inflight - pos
+        sid = req.seq_id
+        n = self._chunk(req, remaining if remaining < budget else budget, budget)
+        if n == 0:
+            return budget, False
+        made_room = False
+        fit = bm.max_new_tokens(sid)
+        if fit < n:
+            if fit <= 0:  # preempt for one block at least, then take what fits
+                made_room = True
+                if not self._make_room(req, 1, step):
+                    return budget, True
+                budget += self._take_released()
+                n = remaining if remaining < budget else budget
+                fit = bm.max_new_tokens(sid)
+            n = fit if fit < n else n  # a smaller chunk rather than more preemption
+        if self._pool_room is not None and req.sampling.pooling:
+            self._pool_room -= n
+        if pos >= req.cache_upto:
+            q.cache_blocks(req, pos)
+        sample = n == remaining
+        new_blocks = bm.allocate(sid, n)
+        req.num_slots += bm.block_size * len(new_blocks)
+        self._out.steps.append(SeqStep(sid, pos, n, new_blocks, sample))
+        req.num_computed_tokens = pos + n
+        if sample:
+            req.num_inflight += 1
+        req.scheduled_step = step
+        return budget - n, made_room
+
+    def _chunk(self, req: Request, n: int, budget: int) -> int:
+        """A chunk of `n` tokens for `req` cut to the step's caps: the policy's for batch
+        work, `max_pooling_tokens` for pooled prompts."""
+        if self._cap is not None and req.slo_class == "batch":
+            n = self._capped_chunk(n, budget)
+        if self._pool_room is not None and req.sampling.pooling and n > self._pool_room:
+            n = self._pool_room
+        return n
 
     def _admit(self, req: Request, step: int, budget: int) -> tuple[int, int]:
         """Admit one waiting request with its first chunk: (_ADMITTED, budget left), or
@@ -326,11 +299,9 @@ class Planner:
         cached = len(hits) * bs
         remaining = total - cached
         while True:
-            n = remaining if remaining < budget else budget
-            if self._cap is not None and req.slo_class == "batch":
-                n = self._capped_chunk(n, budget)
-                if n == 0:  # the step is full for batch work: later keys wait too
-                    return _BLOCKED, budget
+            n = self._chunk(req, remaining if remaining < budget else budget, budget)
+            if n == 0:  # full for batch work (later keys wait too), or for pooled prompts
+                return (_SKIPPED if req.sampling.pooling else _BLOCKED), budget
             watermark = self.watermark_blocks if q.num_running else 0
             if bm.admission_cost(hits, n) + watermark <= bm.num_free_blocks:
                 break
@@ -338,6 +309,8 @@ class Planner:
                 return _BLOCKED, budget
             budget += self._take_released()
         sid = req.seq_id
+        if self._pool_room is not None and req.sampling.pooling:
+            self._pool_room -= n
         table = bm.allocate_with_prefix(sid, hits, n)
         req.num_slots = bs * len(table)
         q.mark_running(req)

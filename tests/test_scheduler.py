@@ -286,6 +286,41 @@ def test_decodes_come_first_and_budget_holds():
             assert tokens == 16 or long_chunks[0].sample
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_pooled_prompts_take_a_bounded_share_of_steps_that_decode(overlap):
+    """Embeddings beside generation: a step that decodes gives pooled prompts at most
+    `max_pooling_tokens`, and a chat arriving behind them passes them; alone, pooled
+    prompts take the whole budget."""
+    sched = make_scheduler(max_num_batched_tokens=64, max_pooling_tokens=16)
+    worker = FakeWorker(256, 4)
+    gen = SamplingParams(max_tokens=40, ignore_eos=True)
+    pool = SamplingParams(max_tokens=1, pooling="last")
+    reqs = [Req(f"g{i}", [i + 1] * 3, gen) for i in range(3)]
+    reqs += [Req(f"e{i}", [7 + i] * 50, pool, arrival=2) for i in range(4)]
+    reqs.append(Req("late", [3] * 5, gen, arrival=3))
+    reqs += [Req(f"tail{i}", [9 + i] * 50, pool, arrival=60) for i in range(2)]
+    outs = drive(sched, reqs, overlap, worker)
+    pooled = {ns.seq_id for p in worker.plans for ns in p.new_seqs if ns.sampling.pooling}
+    late = next(ns.seq_id for p in worker.plans for ns in p.new_seqs if ns.seq_id not in pooled
+                and ns.prompt.ids == [3] * 5)  # fmt: skip
+    assert len(pooled) == 6
+    shares, alone, late_at, last_pooled_at = [], [], None, 0
+    for i, p in enumerate(worker.plans):
+        pool_tokens = sum(s.num_tokens for s in p.seqs if s.seq_id in pooled)
+        if any(s.seq_id not in pooled for s in p.seqs):
+            shares.append(pool_tokens)
+        else:
+            alone.append(pool_tokens)
+        if late_at is None and any(s.seq_id == late for s in p.seqs):
+            late_at = i
+        if pool_tokens and i < 40:
+            last_pooled_at = i
+    assert max(shares) == 16  # the share is used, and never passed
+    assert max(alone) > 16  # with nothing decoding, pooled prompts take the budget
+    assert late_at < last_pooled_at  # the late chat did not wait for every embedding
+    assert all(outs[f"e{i}"].finish_reason for i in range(4))
+
+
 def test_running_is_capped_by_max_num_seqs():
     sched = make_scheduler(max_num_batched_tokens=64, max_num_seqs=3)
     worker = FakeWorker(256, 4)
