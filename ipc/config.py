@@ -88,9 +88,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = opt(64, "sequences in one step at most")
     max_num_batched_tokens: int = opt(512, "tokens in one step at most (the token budget)")
-    max_pooling_tokens: int = opt(
-        128, "tokens of pooled prompts (embeddings, scores) in a step that also decodes, at "
-        "most, so that generation keeps its pace beside an embeddings load; 0: no limit"
+    pooling_share: float = opt(
+        0.5, "the share of a step that decodes (in time, by the step cost model) that pooled "
+        "prompts (embeddings, scores) may take, one KV block at least, so that generation "
+        "keeps its pace beside an embeddings load; 0: no limit (they share the token budget)"
     )  # fmt: skip
     policy: str = opt("fcfs", "", choices=("fcfs", "priority", "sjf", "edf", "static"))
     static_batch_window_ms: float = opt(0.0, "--policy static: wait this long for a batch to fill")

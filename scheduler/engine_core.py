@@ -97,7 +97,7 @@ class EngineCore:
         self.wake_cost_s = wake_cost_s
         # For each plan in flight: clock() when it left, the tokens it computes and the
         # context its decodes read (what `StepCost` predicts from).
-        self._sent: deque[tuple[float, int, int]] = deque()
+        self._sent: deque[tuple[float, int, int, int]] = deque()
         self._last_result_at = 0.0
         self._plan_at: float | None = None  # late planning: when the next plan is due
 
@@ -119,10 +119,10 @@ class EngineCore:
         deltas: list[RequestDelta] = []
         for result, tokens in self.executor.collect():
             now = self.clock()
-            sent, num_tokens, kv = self._sent.popleft() if self._sent else (now, 0, 0)
+            sent, num_tokens, kv, decodes = self._sent.popleft() if self._sent else (now, 0, 0, 0)
             step_time = now - max(sent, self._last_result_at)
             sched.stats.last_step_time = step_time
-            sched.step_cost.observe(num_tokens, step_time, kv)
+            sched.step_cost.observe(num_tokens, step_time, kv, decodes)
             self._last_result_at = now
             deltas += sched.process_result(result, tokens)
         if sched.has_pending_deltas:
@@ -145,7 +145,8 @@ class EngineCore:
                 break
             self.executor.submit(plan)
             stats = sched.stats
-            self._sent.append((self.clock(), stats.last_num_batched_tokens, stats.last_decode_kv))
+            self._sent.append((self.clock(), stats.last_num_batched_tokens, stats.last_decode_kv,
+                               stats.last_num_decodes))  # fmt: skip
             n += 1
         return n
 
@@ -159,8 +160,8 @@ class EngineCore:
         cost = sched.step_cost
         if not cost.ready or not self._sent or sched.num_running >= sched.max_num_seqs:
             return None
-        sent, num_tokens, kv = self._sent[-1]
-        predicted = cost.predict(num_tokens, kv)
+        sent, num_tokens, kv, decodes = self._sent[-1]
+        predicted = cost.predict(num_tokens, kv, decodes)
         # The wait gains `predicted` for each arrival it catches (rate x predicted a step)
         # and costs each running sequence `wake_cost_s` a step.
         if sched.arrival_rate() * predicted**2 < self.wake_cost_s * max(1, sched.num_running):

@@ -57,4 +57,5 @@ class Planned:
     requeue: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     decode_kv: int = 0  # the context the decodes read (for the step cost model)
+    decode_tokens: int = 0  # the decodes' tokens, drafts included (the same)
     capped: bool = False  # the policy's cap cut a batch chunk

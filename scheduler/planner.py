@@ -55,6 +55,8 @@ _RUNNING = RequestStatus.RUNNING
 
 # _admit outcomes
 _ADMITTED, _SKIPPED, _BLOCKED = 1, 0, -1
+# Every PROBE_EVERY-th step that decodes leaves pooled prompts out (`_pooling_room`).
+PROBE_EVERY = 8
 
 
 class Planner:
@@ -82,7 +84,8 @@ class Planner:
         self.max_new_seq_bytes = max_message_bytes // 2
         self._new_seq_bytes = 0
         # Tokens pooled prompts may still take in the step being built (None: no limit).
-        self.max_pooling_tokens = config.max_pooling_tokens
+        share = min(max(config.pooling_share, 0.0), 0.95)
+        self.pooling_ratio = share / (1.0 - share)  # their time over the decodes' time
         self._pool_room: int | None = None
 
     def plan(self, step: int) -> Planned:
@@ -103,9 +106,8 @@ class Planner:
         self._preempted = False
         prefills: list[Request] = []
         budget = self._decodes(step, self.max_num_batched_tokens, prefills)
-        # Pooled prompts share a step that decodes up to `max_pooling_tokens` (generation
-        # keeps its pace beside an embeddings load); alone, they take the whole budget.
-        self._pool_room = self.max_pooling_tokens if out.steps and self.max_pooling_tokens else None
+        decoded = out.decode_tokens = self.max_num_batched_tokens - budget
+        self._pool_room = self._pooling_room(step, decoded, out.decode_kv) if decoded else None
         if budget > 0 and (prefills or q.waiting):
             self._cap = policy.batch_chunk_cap(self.max_num_batched_tokens - budget, out.decode_kv)
             budget = self._prefill_and_admit(step, budget, prefills, not self._preempted)
@@ -226,6 +228,24 @@ class Planner:
         self._out.scattered = scattered
         return budget
 
+    def _pooling_room(self, step: int, decoded: int, decode_kv: int) -> int | None:
+        """The tokens pooled prompts may take in a step that decodes: `--pooling-share` of
+        its time by the step cost model (a prefill token costs a pass through the weights'
+        compute, so a steady embeddings load would otherwise fill every step and multiply
+        its decodes' time), one block at least, so that they keep moving; alone (no
+        decodes) they take the whole budget. Every `PROBE_EVERY`-th step gives them none:
+        under a steady load every step would otherwise mix decodes and prefill alike, and
+        the cost model could not tell a prefill token's cost from the step's base (its
+        prefill price came out at half the true one, measured), so the room grew."""
+        if not self.pooling_ratio:
+            return None
+        if step % PROBE_EVERY == 0:
+            return 0
+        cost = self.queues.step_cost
+        decode_s = cost.predict(decoded, decode_kv, decodes=decoded)
+        room = int(self.pooling_ratio * decode_s / cost.per_token) if cost.per_token > 0 else 0
+        return max(room, self.queues.block_manager.block_size)
+
     def _next_chunk(self, req: Request, step: int, budget: int) -> tuple[int, bool]:
         """Plan running `req`'s next prefill chunk: (budget left, whether it had to preempt
         for a block, which ends admission for the step)."""
@@ -264,7 +284,7 @@ class Planner:
 
     def _chunk(self, req: Request, n: int, budget: int) -> int:
         """A chunk of `n` tokens for `req` cut to the step's caps: the policy's for batch
-        work, `max_pooling_tokens` for pooled prompts."""
+        work, `_pooling_room` for pooled prompts."""
         if self._cap is not None and req.slo_class == "batch":
             n = self._capped_chunk(n, budget)
         if self._pool_room is not None and req.sampling.pooling and n > self._pool_room:

@@ -250,7 +250,9 @@ class EDF(Policy):
         # Its prefill in chunks of at most the budget, and the step already in flight.
         own = (-(-(req.length - req.num_computed_tokens) // budget) + 1) * step_s
         if self._seat_wait is None:
-            decode_s = cost.predict(stats.last_num_batched_tokens, stats.last_decode_kv)
+            decode_s = cost.predict(
+                stats.last_num_batched_tokens, stats.last_decode_kv, stats.last_num_decodes
+            )
             left = min(
                 (r.token_limit - r.length - r.num_inflight for r in view.running
                  if r.status is RequestStatus.RUNNING),
@@ -266,10 +268,11 @@ class EDF(Policy):
         cost = view.step_cost
         if not cost.ready:
             return None
-        decode_s = cost.predict(decode_tokens, decode_kv)
+        decode_s = cost.predict(decode_tokens, decode_kv, decode_tokens)
         if decode_s > self.tpot_s:
             return None  # the decodes alone miss the SLO: shrinking batch chunks cannot help
-        return cost.tokens_within(self.step_bound(decode_s) * self.TPOT_MARGIN, decode_kv)
+        bound = self.step_bound(decode_s) * self.TPOT_MARGIN
+        return cost.tokens_within(bound, decode_kv, decode_tokens)
 
     def step_bound(self, decode_s: float) -> float:
         """The longest this step may take with every live chat still meeting its SLOs, if

@@ -336,6 +336,7 @@ class Scheduler:
         stats.last_batch_size = len(out.steps)
         stats.last_num_batched_tokens = out.num_batched_tokens
         stats.last_decode_kv = out.decode_kv
+        stats.last_num_decodes = out.decode_tokens
         stats.last_schedule_time = time.perf_counter() - t0
         stats.schedule_time_total += stats.last_schedule_time
         return plan

@@ -24,6 +24,7 @@ class SchedulerStats:
     last_batch_size: int = 0
     last_num_batched_tokens: int = 0
     last_decode_kv: int = 0  # the context the last plan's decodes read
+    last_num_decodes: int = 0  # the last plan's decode tokens (drafts included)
     last_schedule_time: float = 0.0
     schedule_time_total: float = 0.0
     # Set as results settle (the engine core times the steps; workers report the rest):

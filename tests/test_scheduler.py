@@ -289,9 +289,16 @@ def test_decodes_come_first_and_budget_holds():
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_pooled_prompts_take_a_bounded_share_of_steps_that_decode(overlap):
     """Embeddings beside generation: a step that decodes gives pooled prompts at most
-    `max_pooling_tokens`, and a chat arriving behind them passes them; alone, pooled
-    prompts take the whole budget."""
-    sched = make_scheduler(max_num_batched_tokens=64, max_pooling_tokens=16)
+    `pooling_share` of its predicted time, and a chat arriving behind them passes them;
+    alone, pooled prompts take the whole budget."""
+    from subway.scheduler.slo import StepCost
+
+    class Fixed(StepCost):  # a machine where the decodes' step takes 16 + d prefill tokens
+        def observe(self, *args, **kw) -> None:
+            pass
+
+    sched = make_scheduler(max_num_batched_tokens=64, pooling_share=0.5)
+    sched.step_cost = Fixed(base=1.6e-5, per_token=1e-6, per_kv=0.0)
     worker = FakeWorker(256, 4)
     gen = SamplingParams(max_tokens=40, ignore_eos=True)
     pool = SamplingParams(max_tokens=1, pooling="last")
@@ -315,7 +322,7 @@ def test_pooled_prompts_take_a_bounded_share_of_steps_that_decode(overlap):
             late_at = i
         if pool_tokens and i < 40:
             last_pooled_at = i
-    assert max(shares) == 16  # the share is used, and never passed
+    assert 16 <= max(shares) <= 16 + 4  # the share is used, and never passed (<= 4 decodes)
     assert max(alone) > 16  # with nothing decoding, pooled prompts take the budget
     assert late_at < last_pooled_at  # the late chat did not wait for every embedding
     assert all(outs[f"e{i}"].finish_reason for i in range(4))

@@ -32,13 +32,13 @@ class FixedCost:
     def __init__(self, step_s: float, per_token: float = 0.0) -> None:
         self.step_s, self.per_token = step_s, per_token
 
-    def observe(self, tokens: int, seconds: float, decode_kv: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, decode_kv: int = 0, decodes: int = 0) -> None:
         pass
 
-    def predict(self, tokens: int, decode_kv: int = 0) -> float:
+    def predict(self, tokens: int, decode_kv: int = 0, decodes: int = 0) -> float:
         return self.step_s + self.per_token * tokens
 
-    def tokens_within(self, seconds: float, decode_kv: int = 0) -> int:
+    def tokens_within(self, seconds: float, decode_kv: int = 0, decodes: int = 0) -> int:
         return int((seconds - self.step_s) / self.per_token)
 
 
@@ -103,6 +103,29 @@ def test_step_cost_tells_prefill_tokens_from_decode_context():
         assert cost.predict(tokens, kv) == pytest.approx(truth(tokens, kv), rel=0.02)
     assert cost.tokens_within(0.095, 20_000) == pytest.approx(133, abs=2)  # (95-15-40)/0.3
     assert cost.tokens_within(0.05, 20_000) == 0  # the decodes' context alone is 40 ms
+
+
+def test_step_cost_tells_a_prefill_token_from_a_decode_token():
+    """A CPU where a decode token rides on the step's weight read (0.1 ms) and a prefill
+    token pays its share of the compute (1.6 ms): decode-only steps and steps with a
+    prefill chunk beside the decodes fit both, and a decoding step's prefill room is
+    priced at the prefill cost."""
+
+    def machine(prefill: int, decodes: int, kv: int) -> float:
+        return 0.03 + 1.6e-3 * prefill + 1e-4 * decodes + 1e-6 * kv
+
+    cost = StepCost()
+    for i in range(80):
+        decodes = 4 + (i * 5) % 24
+        kv = decodes * (100 + (i * 37) % 400)
+        prefill = 0 if i % 3 else 16 + (i * 29) % 240
+        cost.observe(prefill + decodes, machine(prefill, decodes, kv), kv, decodes)
+    assert cost.per_token == pytest.approx(1.6e-3, rel=0.05)
+    assert cost.per_decode < 3e-4  # (its effect, a few ms, sits within the prior's pull)
+    step = cost.predict(12, 2400, decodes=12)
+    assert step == pytest.approx(machine(0, 12, 2400), rel=0.15)  # the prior pulls a little
+    # A step may grow by that much again: about 22 prefill tokens beside its 12 decodes.
+    assert cost.tokens_within(2 * step, 2400, decodes=12) - 12 == pytest.approx(22, abs=5)
 
 
 def test_step_cost_holds_its_prior_where_steps_are_alike_and_ignores_stalls():

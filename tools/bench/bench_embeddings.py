@@ -140,8 +140,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument(
+        "--pooling-share",
+        type=float,
+        default=None,
+        help="the server's --pooling-share (default: the server's own)",
+    )
+    p.add_argument(
+        "--generation-only",
+        action="store_true",
+        help="skip the embeddings-rate phase (measure generation beside a load only)",
+    )
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    flags = list(FLAGS)
+    if a.pooling_share is not None:
+        flags += ["--pooling-share", str(a.pooling_share)]
 
     from subway.worker.default_model import ensure_default_model
 
@@ -151,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     reqs = workload.generate(tok, a.gen_requests, 0)
     hf = Transformers(model, a.threads)
     rows: list[dict[str, Any]] = []
-    with compare.subway_server("embeddings", ["--model", model, *FLAGS], a.threads) as url:
+    with compare.subway_server("embeddings", ["--model", model, *flags], a.threads) as url:
         subway_rate(url, inputs[:64], a.concurrency, a.pooling)  # warm both
         hf.rate(inputs[:64], a.concurrency, a.pooling)
-        for r in range(a.rounds):
+        for r in range(0 if a.generation_only else a.rounds):
             order = ("subway", "transformers") if r % 2 == 0 else ("transformers", "subway")
             for system in order:
                 rate = (subway_rate(url, inputs, a.concurrency, a.pooling) if system == "subway"
@@ -170,11 +184,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
     by = {(x["round"], x["system"]): x["inputs_per_s"] for x in rows if x["phase"] == "embed"}
     gen = {(x["round"], x["embeddings_load"]): x for x in rows if x["phase"] == "generate"}
-    speedup = [by[r, "subway"] / by[r, "transformers"] for r in range(a.rounds)]
+    speedup = [by[r, "subway"] / by[r, "transformers"] for r in range(a.rounds) if by]
     kept = [gen[r, True]["output_throughput"] / gen[r, False]["output_throughput"]
             for r in range(a.rounds)]  # fmt: skip
-    print(summary("embeddings inputs/s, Subway / transformers", speedup))
+    if speedup:
+        print(summary("embeddings inputs/s, Subway / transformers", speedup))
     print(summary("generation tokens/s kept under an embeddings load", kept))
+    for loaded in (False, True):
+        print(summary(f"generation ITL p50 ms, embeddings load {loaded}",
+                      [gen[r, loaded]["itl_p50_ms"] for r in range(a.rounds)]))  # fmt: skip
     print(summary("embeddings/s alongside generation",
                   [gen[r, True]["embeddings_per_s"] for r in range(a.rounds)]))  # fmt: skip
     if a.out:
