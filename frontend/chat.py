@@ -45,6 +45,7 @@ from subway.frontend.responses import (
 )
 from subway.frontend.tool_parsers import CallPiece, Piece, ToolParser
 from subway.frontend.tools import (
+    call_format,
     check_tools,
     finish_reason,
     rendered_tools,
@@ -65,18 +66,22 @@ def chat_job(req: ChatCompletionRequest, tokenizer, limits: Limits) -> Job:
         req.requested_max_tokens, len(prompt.ids), limits, limits.chat_max_tokens
     )
     top = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = tool_grammar(req)  # None: the request's own structured output, if any
+    # None: the request's own structured output, if any
+    grammar = tool_grammar(req, call_format(req, limits.tool_call_parser, tokenizer))
     sampling = sampling_params(req, max_tokens, top, limits, grammar=grammar)
     return Job([prompt], [after_thinking(sampling, limits.reasoning_parser)])
 
 
+AFTER_THINKING = ("json_schema", "json_object", "structural_tag")
+
+
 def after_thinking(sampling: SamplingParams, parser: str) -> SamplingParams:
-    """With a reasoning parser, a JSON constraint (a schema, json_object, a tool call) holds
-    the answer after the think block, not the thinking (`Grammar.think`: DeepSeek-R1's
-    prompt opens the block, Qwen3's output may). A regex, choice or EBNF grammar holds the
-    whole output as written: it may spell out the think block itself."""
+    """With a reasoning parser, a JSON constraint (a schema, json_object) or a forced tool
+    call holds the answer after the think block, not the thinking (`Grammar.think`:
+    DeepSeek-R1's prompt opens the block, Qwen3's output may). A regex, choice or EBNF
+    grammar holds the whole output as written: it may spell out the think block itself."""
     grammar = sampling.grammar
-    if not parser or grammar is None or grammar.kind not in ("json_schema", "json_object"):
+    if not parser or grammar is None or grammar.kind not in AFTER_THINKING:
         return sampling
     think = "open" if parser == "deepseek_r1" else "optional"
     return msgspec.structs.replace(sampling, grammar=msgspec.structs.replace(grammar, think=think))

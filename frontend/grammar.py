@@ -366,4 +366,4 @@ class GrammarChecker:
 
 
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar",
-               "json_object": "JSON grammar"}  # fmt: skip
+               "json_object": "JSON grammar", "structural_tag": "tool call grammar"}  # fmt: skip

@@ -52,6 +52,7 @@ class Limits:
     # context left; None: the context left (as vLLM).
     chat_max_tokens: int | None = None
     reasoning_parser: str = ""  # --reasoning-parser: a chat's JSON constraint follows the thinking
+    tool_call_parser: str = "hermes"  # --tool-call-parser: the format a forced call is written in
 
 
 @dataclass

@@ -152,6 +152,7 @@ class ServingContext:
             vocab_size=link.info.vocab_size,
             chat_max_tokens=self.config.server.default_max_tokens or None,
             reasoning_parser=self.config.server.reasoning_parser,
+            tool_call_parser=self.config.server.tool_call_parser,
         )
 
     def timeout(self, requested: float | None) -> float | None:

@@ -3,10 +3,9 @@
 A parser turns output text into `Piece`s: content text and `CallPiece`s. Fed the
 whole text at once it gives the same content and calls, so a streamed answer and
 a whole one agree. `HermesParser` (tool_choice "auto") finds
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; `ArrayParser`
-("required") reads the constrained JSON array of calls; `NamedParser` (a named
-function) takes the whole output as the call's arguments. Which one a request
-gets is `tools.tool_parser`'s choice.
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the other
+formats' parsers are `tool_formats.py`'s. Which one a request gets is
+`tools.tool_parser`'s choice (the same for free and for forced calls).
 
 Each piece costs its own length, however long the output: `HermesParser` searches
 only the new text (after the few characters that may begin a marker) and keeps a
@@ -220,77 +219,3 @@ class HermesParser(ToolParser):
         if text:
             out.append(text)
             self.shown = True
-
-
-class ArrayParser(ToolParser):
-    """`required`: a JSON array of `{"name", "parameters"}` objects; each call is given
-    whole once its object closes. Output that holds no call is content (the grammar
-    did not hold, or the output was cut)."""
-
-    def __init__(self) -> None:
-        self.raw: list[str] = []
-        self.depth = 0  # nesting: 1 inside the array, 2+ inside a call
-        self.in_string = False
-        self.escaped = False
-        self.item: list[str] = []  # the call being read
-        self.too_deep = False  # the call being read nests deeper than MAX_JSON_DEPTH
-
-    def feed(self, text: str) -> list[Piece]:
-        self.raw.append(text)
-        out: list[Piece] = []
-        for ch in text:
-            if self.depth >= 2 and not self.too_deep:
-                self.item.append(ch)
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = self.depth >= 1
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self.item, self.too_deep = [ch], False
-                elif self.depth > MAX_JSON_DEPTH:
-                    self.too_deep, self.item = True, []
-            elif ch in "]}" and self.depth > 0:
-                self.depth -= 1
-                if self.depth == 1:
-                    self._item(out)
-        return out
-
-    def _item(self, out: list[Piece]) -> None:
-        call = None if self.too_deep else parse_call("".join(self.item), "parameters")
-        self.item, self.too_deep = [], False
-        if call is not None:
-            out.append(CallPiece(self.calls, call[1], call[0]))
-            self.calls += 1
-
-    def finish(self) -> list[Piece]:
-        text = "".join(self.raw)
-        return [text] if not self.calls and text else []
-
-
-class NamedParser(ToolParser):
-    """A named function: the output text is the arguments, streamed as it comes."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def feed(self, text: str) -> list[Piece]:
-        if not text:
-            return []
-        if self.calls:
-            return [CallPiece(0, text)]
-        self.calls = 1
-        return [CallPiece(0, text, self.name)]
-
-    def finish(self) -> list[Piece]:
-        """A call with empty arguments if the output had no text (a cut at once)."""
-        if self.calls:
-            return []
-        self.calls = 1
-        return [CallPiece(0, "", self.name)]

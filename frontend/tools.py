@@ -10,11 +10,10 @@ into the prompt, turned into an output constraint, and the output parsed into ca
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in it, or
   another format's parser under `--tool-call-parser` (`tool_formats.py`; `auto`:
   the format the chat template asks for, `call_format`);
-- "required": the output is constrained to a JSON array of calls, each
-  `{"name": <a tool>, "parameters": <its arguments>}` (`required_schema`), read by
-  `ArrayParser`;
-- a named function: the output is constrained to its parameters' schema, and
-  the output text is the call's arguments (`NamedParser`).
+- "required": the output is constrained to one call or more of the tools (one
+  without `parallel_tool_calls`), written in the format the model writes freely
+  (`call_format`) and read by that format's parser (`tool_grammars.py`);
+- a named function: the same, exactly one call of that function.
 
 Templates that know tools (they mention `tools`, as Qwen2.5's) get them as
 `tools=[...]` and the conversation's calls as `tool_calls`; a template that does
@@ -42,13 +41,8 @@ from subway.frontend.protocol import (
     ToolCall,
 )
 from subway.frontend.tool_formats import auto_parser, template_format
-from subway.frontend.tool_parsers import (
-    CALL_END,
-    CALL_START,
-    ArrayParser,
-    NamedParser,
-    ToolParser,
-)
+from subway.frontend.tool_grammars import forced_calls
+from subway.frontend.tool_parsers import CALL_END, CALL_START, ToolParser
 from subway.ipc.messages import Grammar
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -117,44 +111,23 @@ def parameters_schema(fn: FunctionDefinition) -> dict:
     return fn.parameters if fn.parameters is not None else NO_PARAMETERS
 
 
-def required_schema(req: ChatCompletionRequest) -> dict:
-    """A JSON array of 1+ calls (at most 1 without parallel_tool_calls), each one of the tools."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "parameters": parameters_schema(t.function),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in req.tools or []
-    ]
-    schema: dict = {
-        "type": "array",
-        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-        "minItems": 1,
-    }
-    if not req.parallel_tool_calls:
-        schema["maxItems"] = 1
-    return schema
+def tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes") -> Grammar | None:
+    """The output constraint of the request's tool_choice (None: unconstrained), its calls
+    written in format `fmt` (`call_format`)."""
+    mode = tool_mode(req)
+    if mode == "required":
+        functions = [(t.function.name, parameters_schema(t.function)) for t in req.tools or []]
+        return forced_calls(fmt, functions, at_most_one=not req.parallel_tool_calls)
+    if mode == "named":
+        fn = named_function(req)
+        return forced_calls(fmt, [(fn.name, parameters_schema(fn))], at_most_one=True)
+    return None
 
 
 def named_function(req: ChatCompletionRequest) -> FunctionDefinition:
     choice = req.tool_choice
     assert isinstance(choice, NamedToolChoice)
     return next(t.function for t in req.tools or [] if t.function.name == choice.function.name)
-
-
-def tool_grammar(req: ChatCompletionRequest) -> Grammar | None:
-    """The output constraint of the request's tool_choice (None: unconstrained)."""
-    mode = tool_mode(req)
-    if mode == "required":
-        return Grammar("json_schema", json.dumps(required_schema(req)))
-    if mode == "named":
-        return Grammar("json_schema", json.dumps(parameters_schema(named_function(req))))
-    return None
 
 
 # ---------------------------------------------------------------- rendering
@@ -286,14 +259,9 @@ def tool_parser(
     """A parser for one choice of `req` (None: the output is only content); `auto`: the
     format of calls the model writes freely (`--tool-call-parser`, `tool_formats.py`);
     `tokenizer`: whose chat template `--tool-call-parser auto` reads (`call_format`)."""
-    mode = tool_mode(req)
-    if mode == "auto":
-        return auto_parser(call_format(req, auto, tokenizer), req.tools)
-    if mode == "required":
-        return ArrayParser()
-    if mode == "named":
-        return NamedParser(named_function(req).name)
-    return None
+    if tool_mode(req) == "none":
+        return None
+    return auto_parser(call_format(req, auto, tokenizer), req.tools)
 
 
 def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:

@@ -61,6 +61,8 @@ def compile_grammar(compiler, grammar: Grammar):
             return compiler.compile_regex(spec)
         if grammar.kind == "ebnf":
             return compiler.compile_grammar(spec)
+        if grammar.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec)
         raise ValueError(f"unknown grammar kind {grammar.kind!r}")
     import xgrammar as xgr  # only where a grammar compiles (2 s of a process's start)
 
@@ -72,6 +74,8 @@ def compile_grammar(compiler, grammar: Grammar):
         answer = xgr.Grammar.from_regex(spec)
     elif grammar.kind == "ebnf":
         answer = xgr.Grammar.from_ebnf(spec)
+    elif grammar.kind == "structural_tag":
+        answer = xgr.Grammar.from_structural_tag(spec)
     else:
         raise ValueError(f"unknown grammar kind {grammar.kind!r}")
     think = xgr.Grammar.from_ebnf(THINK_RULES[grammar.think])

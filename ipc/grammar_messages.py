@@ -7,7 +7,7 @@ import hashlib
 
 import msgspec
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what kind json_object compiles as, on both sides
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's spec, at most (1 MiB of text)
 
@@ -15,8 +15,9 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's spec, at most (1 MiB of text)
 class Grammar(msgspec.Struct, array_like=True, frozen=True):
     """An output constraint (structured outputs, tool calls), applied by rank 0's sampler.
 
-    `kind` is one of `GRAMMAR_KINDS`; `spec` the JSON schema as text, the regex or
-    the EBNF grammar (xgrammar's dialect), empty for `json_object` (any JSON object).
+    `kind` is one of `GRAMMAR_KINDS`; `spec` the JSON schema as text, the regex, the
+    EBNF grammar (xgrammar's dialect) or xgrammar's structural tag as JSON (forced tool
+    calls, `frontend/tool_grammars.py`), empty for `json_object` (any JSON object).
     The frontend compiles it first (a bad or slow one is a 400 there); the worker
     compiles it again with its own cache, off the step's critical path.
     """

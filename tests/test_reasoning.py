@@ -275,6 +275,25 @@ def test_a_json_grammar_holds_the_answer_after_the_thinking(grammar_compiler, th
     assert accepts(grammar_compiler, Grammar("json_schema", SCHEMA, think=think), text) is ok
 
 
+@pytest.mark.parametrize(
+    "think, text, ok",
+    [
+        ("optional", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True),
+        ("optional", '<think>hm</think>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True),
+        ("open", 'hm</think><tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', True),
+        ("open", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', False),
+        ("optional", '<think>hm</think>\nno call', False),
+    ],
+)  # fmt: skip
+def test_a_forced_call_follows_the_thinking(grammar_compiler, think, text, ok):
+    import msgspec
+
+    from subway.frontend.tool_grammars import forced_calls
+
+    grammar = msgspec.structs.replace(forced_calls("hermes", [("f", {})], True), think=think)
+    assert accepts(grammar_compiler, grammar, text) is ok
+
+
 def test_an_unknown_think_is_refused(grammar_compiler):
     from subway.ipc.messages import Grammar
     from subway.worker.grammar import GrammarError, compile_grammar

@@ -10,19 +10,8 @@ import pytest
 
 from subway.frontend.errors import APIError
 from subway.frontend.protocol import ChatCompletionRequest
-from subway.frontend.tool_parsers import (
-    ArrayParser,
-    CallPiece,
-    HermesParser,
-    NamedParser,
-    ToolParser,
-)
-from subway.frontend.tools import (
-    check_tools,
-    required_schema,
-    tool_grammar,
-    tool_mode,
-)
+from subway.frontend.tool_parsers import CallPiece, HermesParser, ToolParser
+from subway.frontend.tools import check_tools, tool_grammar, tool_mode
 
 WEATHER = {
     "name": "get_weather",
@@ -152,40 +141,20 @@ def test_tool_choice_defaults():
     assert tool_grammar(chat(tools=TOOLS, tool_choice="none")) is None
 
 
-def test_required_is_an_array_of_calls_of_the_tools():
-    schema = required_schema(chat(tools=TOOLS, tool_choice="required"))
-    valid = [{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}}]
-    jsonschema.validate(valid, schema)
-    jsonschema.validate([*valid, {"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
-    bad = [
-        [],
-        [{"name": "get_time", "parameters": {"city": "Tokyo", "days": 2}}],
-        [{"name": "nope", "parameters": {}}],
-        [{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}],
-        [{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}, "x": 1}],
-        {"name": "get_weather", "parameters": {"city": "Tokyo", "days": 2}},
-    ]
-    for b in bad:
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(b, schema)
-    single = required_schema(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
-    jsonschema.validate(valid, single)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(valid * 2, single)
-
-
-def test_the_grammars_compile_and_a_named_one_is_the_parameters():
+def test_forced_calls_are_a_structural_tag_in_the_format_asked():
     import xgrammar as xgr
 
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        grammar = tool_grammar(chat(tools=TOOLS, tool_choice=choice))
-        assert grammar is not None and grammar.kind == "json_schema"
-        xgr.Grammar.from_json_schema(grammar.spec)
-    named = tool_grammar(chat(tools=TOOLS, tool_choice={"function": {"name": "get_time"}}))
-    assert json.loads(named.spec) == TIME["parameters"]
-    bare = [{"type": "function", "function": {"name": "ping"}}]
-    named = tool_grammar(chat(tools=bare, tool_choice={"function": {"name": "ping"}}))
-    assert json.loads(named.spec) == {"type": "object", "properties": {}}
+        for fmt in ("hermes", "qwen3_coder"):
+            grammar = tool_grammar(chat(tools=TOOLS, tool_choice=choice), fmt)
+            assert grammar is not None and grammar.kind == "structural_tag"
+            xgr.Grammar.from_structural_tag(grammar.spec)
+            tag = json.loads(grammar.spec)["format"]
+            names = [t["begin"] for t in tag["tags"]]
+            assert len(names) == (2 if choice == "required" else 1)
+            assert all(("<function=" in n) == (fmt == "qwen3_coder") for n in names)
+    single = tool_grammar(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    assert json.loads(single.spec)["format"]["stop_after_first"] is True
 
 
 def test_the_job_carries_the_tool_constraint(tokenizer):
@@ -197,6 +166,10 @@ def test_the_job_carries_the_tool_constraint(tokenizer):
     for choice in ("required", {"function": {"name": "get_time"}}):
         req = chat(tools=TOOLS, tool_choice=choice)
         assert chat_job(req, tokenizer, limits).sampling[0].grammar == tool_grammar(req)
+        pythonic = Limits(4096, len(tokenizer), tool_call_parser="pythonic")
+        assert chat_job(req, tokenizer, pythonic).sampling[0].grammar == tool_grammar(
+            req, "pythonic"
+        )
     auto = chat(tools=TOOLS, structured_outputs={"regex": "a+"})  # the request's own
     assert chat_job(auto, tokenizer, limits).sampling[0].grammar == Grammar("regex", "a+")
     assert chat_job(chat(tools=TOOLS), tokenizer, limits).sampling[0].grammar is None
@@ -272,18 +245,6 @@ HERMES = [
     ),
 ]
 
-ARRAY = [
-    (
-        '[{"name": "f", "parameters": {"s": "]}\\"{["}}, {"name": "g", "parameters": {}}]',
-        "",
-        [("f", '{"s": "]}\\"{["}'), ("g", "{}")],
-    ),
-    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "par', "", [("f", '{"a": 1}')]),
-    ('[{"name": "f", "par', '[{"name": "f", "par', []),
-    ("no calls here", "no calls here", []),
-]
-
-
 def splits(text: str):
     """The text whole, in two at every point, in three, and one character at a time."""
     yield [text]
@@ -298,20 +259,6 @@ def splits(text: str):
 def test_hermes_calls_are_found_however_the_text_is_cut(text, content, calls):
     for pieces in splits(text):
         assert run(HermesParser(), pieces) == (content, calls), pieces
-
-
-@pytest.mark.parametrize(("text", "content", "calls"), ARRAY)
-def test_required_calls_are_found_however_the_text_is_cut(text, content, calls):
-    for pieces in splits(text):
-        assert run(ArrayParser(), pieces) == (content, calls), pieces
-
-
-def test_named_arguments_are_the_text_as_it_comes():
-    parser = NamedParser("get_time")
-    assert parser.feed('{"zone": ') == [CallPiece(0, '{"zone": ', "get_time")]
-    assert parser.feed('"UTC"}') == [CallPiece(0, '"UTC"}')]
-    assert parser.finish() == []
-    assert NamedParser("f").finish() == [CallPiece(0, "", "f")]
 
 
 def test_content_streams_before_a_call_and_only_a_marker_prefix_waits():
@@ -385,10 +332,10 @@ def requests() -> dict[tuple[str, str, str], dict]:
     for mode in MODES:
         seed = MODES.index(mode) + 1
         for what, choice in CONSTRAINED.items():
-            fields = dict(tools=TOOLS, tool_choice=choice, max_tokens=48)
+            fields = dict(tools=TOOLS, tool_choice=choice, max_tokens=96)
             out[what, mode, "greedy"] = dict(fields, temperature=0.0)
             out[what, mode, "sampled"] = dict(fields, temperature=0.8, seed=seed, n=3)
-        out["single", mode, "sampled"] = dict(tools=TOOLS, tool_choice="required", max_tokens=48,
+        out["single", mode, "sampled"] = dict(tools=TOOLS, tool_choice="required", max_tokens=96,
                                               parallel_tool_calls=False, temperature=0.8, seed=3, n=3)  # fmt: skip
         # Greedy, and room for any tokenization of the forced text (one token a character at
         # worst): sampled, the grammar lets the model spell it in more than 60 tokens.
