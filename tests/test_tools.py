@@ -245,6 +245,7 @@ HERMES = [
     ),
 ]
 
+
 def splits(text: str):
     """The text whole, in two at every point, in three, and one character at a time."""
     yield [text]
