@@ -116,6 +116,7 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
+        Gemma3TextConfig,
         LlamaConfig,
         Qwen2Config,
         Qwen3Config,
@@ -140,6 +141,12 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
         config = Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+    elif arch == "gemma3":  # 3 sliding layers and a global one; the window holds the tests
+        common["num_hidden_layers"] = 4
+        config = Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24,
+                                  sliding_window=256, layer_types=["sliding_attention"] * 3
+                                  + ["full_attention"])  # fmt: skip
+        config.architectures = ["Gemma3ForCausalLM"]
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -148,7 +155,8 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(1.0, 0.1)  # so that a norm weight that is not loaded shows
+                # so that a norm weight that is not loaded shows (Gemma's is 1 + weight)
+                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.1)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
             else:

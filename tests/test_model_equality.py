@@ -172,6 +172,25 @@ def test_tiny_models_match_transformers(tiny_models, arch):
     assert compare(planner, hf_greedy(path, prompts, max_new)) == 0
 
 
+def test_gemma3_matches_transformers(tmp_path, default_model):
+    """Gemma 3 (sliding and global layers, each with its rope base; sandwich norms of
+    1 + weight, QK-norm, GeGLU, scaled embeddings) under the same chunked, batched steps,
+    and under --max-model-len it is kept inside its window."""
+    from conftest import build_tiny_model
+
+    torch.set_num_threads(1)
+    path = build_tiny_model("gemma3", str(tmp_path / "gemma3"), default_model)
+    runner = make_runner(path)
+    assert runner.max_model_len == 256  # its sliding window (no windowed attention yet)
+    assert make_runner(path, max_model_len=4096).max_model_len == 256
+    prompts = _random_prompts(runner.vocab_size, LENGTHS, seed=3)
+    planner = MiniPlanner(budget=48)
+    for i, p in enumerate(prompts):
+        planner.add(p, 12, arrival=i // 3)
+    planner.run(runner)
+    assert compare(planner, hf_greedy(path, prompts, 12)) == 0
+
+
 def test_default_model_matches_transformers(default_model):
     from transformers import AutoTokenizer
 
@@ -255,3 +274,28 @@ def test_model_arch_parsing():
     gptq = {**base, "model_type": "llama", "quantization_config": {"quant_method": "gptq"}}
     with pytest.raises(ValueError, match=r"quantized beforehand \(gptq\).*--quantization int8"):
         parse_model_arch(gptq)
+
+
+def test_gemma3_configs_old_and_new_and_what_is_refused():
+    from subway.worker.model_arch import parse_model_arch
+
+    base = dict(
+        vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=16,
+        hidden_activation="gelu_pytorch_tanh", sliding_window=512,
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    old = parse_model_arch({**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                            "sliding_window_pattern": 6})  # fmt: skip
+    assert old.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (old.rope_theta, old.rope_local_theta, old.sliding_window) == (1e6, 1e4, 512)
+    assert old.attn_scale == 16**-0.5 and old.qk_norm and old.family == "gemma3"
+    new = parse_model_arch({**base, "layer_types": ["full_attention"] * 6, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})  # fmt: skip
+    assert new.sliding_window is None and new.rope_scaling["factor"] == 8.0
+    for field, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                         ("hidden_activation", "relu"), ("layer_types", ["chunked"] * 6)):  # fmt: skip
+        with pytest.raises(ValueError, match=field.split("_")[0] if field != "hidden_activation"
+                           else "activation"):  # fmt: skip
+            parse_model_arch({**base, field: value})

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self._rope_and_write_kv = kernels.rope_and_write_kv
         self._paged_attention = kernels.paged_attention
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attn_scale or arch.head_dim**-0.5
         self.qkv = QKVParallelLinear(
             arch.hidden_size,
             arch.head_dim,
@@ -112,7 +112,7 @@ class MLP(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self._silu_and_mul = kernels.silu_and_mul
+        self._act_and_mul = kernels.silu_and_mul if arch.hidden_act == "silu" else gelu_tanh_and_mul
         i = arch.intermediate_size
         self.gate_up = MergedColumnParallelLinear(
             arch.hidden_size, [i, i], arch.mlp_bias, tp, dtype, device
@@ -120,7 +120,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, arch.hidden_size, arch.mlp_bias, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._silu_and_mul(self.gate_up(x)))
+        return self.down_proj(self._act_and_mul(self.gate_up(x)))
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): `gelu_tanh(x[..., :n]) * x[..., n:]` for a merged gate|up of width 2n."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class DecoderLayer(nn.Module):
@@ -179,7 +185,7 @@ class CausalLM(nn.Module):
         self.kernels = kernels
         self.embed_tokens = empty_param((arch.vocab_size, arch.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, tp, kernels, dtype, device) for _ in range(arch.num_layers)
+            self.make_layer(arch, i, tp, kernels, dtype, device) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels, dtype, device)
         self.lm_head = (
@@ -193,6 +199,10 @@ class CausalLM(nn.Module):
             rope_cos_sin_cache(inv_freq, max_positions, dtype, device),
             persistent=False,
         )
+
+    def make_layer(self, arch: ModelArch, i: int, *args) -> nn.Module:
+        """Layer `i` (`args`: tp, kernels, dtype, device); a family's subclass makes its own."""
+        return DecoderLayer(arch, *args)
 
     def forward(
         self,
@@ -403,7 +413,7 @@ class FusedDecode:
     def build(cls, model: CausalLM) -> FusedDecode | None:
         call = model.kernels.decode_layers
         layers = list(model.layers)
-        if call is None or not layers or model.arch.qk_norm:
+        if call is None or not layers or model.arch.qk_norm or model.arch.family == "gemma3":
             return None
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         if layers[0].self_attn.o_proj.tp.world_size != 1:

@@ -16,15 +16,25 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+}  # fmt: skip
+# Config fields of an architecture's family that change the model and that Subway does not
+# implement: a model that sets one is refused at start, never run wrong.
+UNSUPPORTED_FIELDS = (
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "use_bidirectional_attention",
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class ModelArch:
-    family: str  # "llama", "qwen2" or "qwen3"
+    family: str  # "llama", "qwen2", "qwen3" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +54,12 @@ class ModelArch:
     dtype: torch.dtype  # the checkpoint's dtype
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Gemma 3 (`worker/gemma.py`): GeGLU, the attention's scale (query_pre_attn_scalar ** -0.5),
+    # which layers slide ("sliding_attention", "full_attention"), their own rope base.
+    hidden_act: str = "silu"
+    attn_scale: float | None = None
+    layer_types: list[str] = field(default_factory=list)
+    rope_local_theta: float | None = None
 
 
 def load_model_arch(path: str) -> ModelArch:
@@ -62,16 +78,24 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
             f"a checkpoint quantized beforehand ({method}): Subway loads float weights; "
             "give it the unquantized folder, with --quantization int8 to quantize at load"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: only silu")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in (("gelu_pytorch_tanh",) if family == "gemma3" else ("silu",)):
+        raise ValueError(f"unsupported hidden activation {act!r} for {family}")
+    for name in UNSUPPORTED_FIELDS:
+        if cfg.get(name):
+            raise ValueError(f"unsupported config field {name}={cfg[name]!r}: not implemented")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope(cfg)
+    local_theta, layer_types = None, []
+    if family == "gemma3":
+        theta, scaling, local_theta, layer_types = _gemma3_layers(cfg)
     attention_bias = bool(cfg.get("attention_bias", False))
     window = None
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "llama"):
         window = int(cfg["sliding_window"])
+    if family == "gemma3" and "sliding_attention" in layer_types:
+        window = int(cfg.get("sliding_window") or 4096)
     eos = _as_list(cfg.get("eos_token_id"))
     for t in generation_eos or []:
         if t not in eos:
@@ -93,12 +117,18 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         dtype=_DTYPES.get(
             str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32
         ),
         sliding_window=window,
         eos_token_ids=eos,
+        hidden_act=act,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+        if family == "gemma3"
+        else None,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
     )
 
 
@@ -147,6 +177,30 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
             "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
         )
     return theta, params
+
+
+def _gemma3_layers(cfg: dict) -> tuple[float, dict | None, float, list[str]]:
+    """Gemma 3's global rope (base, scaling), its sliding layers' rope base, and each
+    layer's kind, from transformers-5 `rope_parameters` per layer kind or the older
+    `rope_theta`, `rope_scaling`, `rope_local_base_freq` and `sliding_window_pattern`."""
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if not kinds:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]  # fmt: skip
+    if len(kinds) != n or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer_types {kinds!r}")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # per layer kind
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        theta, scaling = _rope({**cfg, "rope_parameters": full, "rope_scaling": None})
+        local_theta, local_scaling = _rope({**cfg, "rope_parameters": local, "rope_scaling": None})
+        if local_scaling is not None:
+            raise ValueError("unsupported rope scaling on sliding layers")
+        return theta, scaling, local_theta, list(kinds)
+    theta, scaling = _rope(cfg)
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0)), list(kinds)
 
 
 def _generation_eos(path: str) -> list[int]:

@@ -51,10 +51,11 @@ from subway.ipc.peers import this_host
 from subway.ipc.shm import TokenBuffer
 from subway.ipc.sockets import Sockets
 from subway.progress import Ticker
+from subway.worker.families import resolve_device
 from subway.worker.kv_remote import Fetches, KvServer, is_remote
 from subway.worker.kv_share import Importer
 from subway.worker.parallel import init_distributed
-from subway.worker.runner import ModelRunner, PlanError, StepOutput, resolve_device
+from subway.worker.runner import ModelRunner, PlanError, StepOutput
 
 SAMPLED_SLOTS = 8  # rank 0 writes step N's ids to slot N % 8 of its sampled-token buffer
 SIGTERM_GRACE_S = 15.0  # beyond shutdown_timeout, after SIGTERM, before exiting regardless

@@ -21,6 +21,7 @@ from subway.kernels.dispatch import choose_kernels
 from subway.worker import kv_share
 from subway.worker.batch import Batch, PlanError, SeqState, build_batch
 from subway.worker.cuda_graph import maybe_decode_graphs
+from subway.worker.families import build_model, resolve_device
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.huge_pages import rehome
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
@@ -73,14 +74,6 @@ def logit_rows_worst_case(sched: SchedulerConfig, max_model_len: int) -> int:
     return min(sched.max_num_batched_tokens, max_model_len)
 
 
-def resolve_device(name: str, rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device(name)
-
-
 def prepare_weights(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
     """The loaded weights made ready for `device`, before the KV cache is sized: int8 (on
     the CPU after SmoothQuant's calibration), packed into the CPU kernels' layout, and the
@@ -114,14 +107,14 @@ class ModelRunner:
         self.device = resolve_device(config.model.device, rank)
         self.dtype = resolve_dtype(config.model.dtype, arch.dtype, self.device)
         self.block_size = config.cache.block_size
-        limit = arch.max_position_embeddings
-        if arch.sliding_window:
-            limit = min(limit, arch.sliding_window)  # no sliding-window attention: stay inside it
-        self.max_model_len = config.model.max_model_len or limit
+        # No sliding-window attention in the kernels yet: stay inside the window.
+        limit = config.model.max_model_len or arch.max_position_embeddings
+        self.max_model_len = min(limit, arch.sliding_window or limit)
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = list(arch.eos_token_ids)
         kernels = choose_kernels(config.model.kernels, config.model.cpu_ext, self.device)
-        self.model = CausalLM(arch, self.tp, self.dtype, self.device, self.max_model_len, kernels)
+        model = (arch, self.tp, self.dtype, self.device, self.max_model_len, kernels)
+        self.model = build_model(*model)
         load_weights(self.model, self.path)
         self.model.eval()
         prepare_weights(self.model, config, self.device)

@@ -113,7 +113,9 @@ def smooth(model: nn.Module, ranges: dict[object, torch.Tensor]) -> torch.Tensor
         _scale(layer.input_layernorm.weight, 1 / s)
         s = factors(ranges[mlp.gate_up], column_ranges(mlp.gate_up.weight))
         _scale(mlp.gate_up.weight, s[None, :])
-        _scale(layer.post_attention_layernorm.weight, 1 / s)
+        # The norm whose output the MLP reads (Gemma's sandwich: the pre-feedforward one).
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
+        _scale(mlp_norm.weight, 1 / s)
         down, inner = mlp.down_proj, mlp.down_proj.weight.shape[1]
         s = factors(ranges[down], column_ranges(down.weight))
         _scale(down.weight, s[None, :])

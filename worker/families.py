@@ -1,0 +1,33 @@
+"""Which model class runs an architecture's family (`ModelArch.family`), and where."""
+
+from __future__ import annotations
+
+import torch
+
+from subway.kernels.dispatch import Kernels
+from subway.worker.gemma import Gemma3CausalLM
+from subway.worker.model import CausalLM
+from subway.worker.model_arch import ModelArch
+from subway.worker.parallel import TensorParallel
+
+
+def build_model(
+    arch: ModelArch,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    kernels: Kernels,
+) -> CausalLM:
+    """The model of `arch`'s family, its weights not loaded."""
+    cls = Gemma3CausalLM if arch.family == "gemma3" else CausalLM
+    return cls(arch, tp, dtype, device, max_positions, kernels)
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    """`--device` for tensor-parallel rank `rank` (auto: CUDA if there is one)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(name)

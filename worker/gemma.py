@@ -1,0 +1,114 @@
+"""Gemma 3's text model (`Gemma3ForCausalLM`) on the Llama family's parts (`model.py`).
+
+What differs from Llama, as transformers' `Gemma3ForCausalLM` computes it:
+- the embeddings are scaled by sqrt(hidden_size) (in the model's dtype);
+- every RMSNorm multiplies by (1 + weight): the checkpoint's weight + 1 is loaded
+  (added in float32), so the same norm kernel runs;
+- four norms a layer ("sandwich"): the attention's output and the MLP's output are
+  normed before each joins the residual stream (post_attention_layernorm,
+  post_feedforward_layernorm), besides the norms before each (input_layernorm,
+  pre_feedforward_layernorm); q and k are normed per head (QK-norm), before rope;
+- GeGLU (gelu, tanh approximation) in the MLP; the attention's scale is
+  query_pre_attn_scalar ** -0.5;
+- layers are sliding ("sliding_attention": a window of `sliding_window` tokens, rope
+  base `rope_local_theta`) or global ("full_attention": `rope_theta`, and its scaling).
+
+Sliding-window attention is not in the kernels yet: the runner keeps every sequence
+inside the window (`max_model_len` at most `sliding_window`), where a sliding layer's
+attention is a global one, so the output is exact, and longer contexts are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from subway.kernels.attention import AttentionMetadata
+from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
+from subway.worker.layers import RMSNorm
+from subway.worker.model import MLP, Attention, CausalLM, KVCache, ModelArch
+
+SLIDING = "sliding_attention"
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+         "post_feedforward_layernorm")  # fmt: skip
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, sliding: bool, tp, kernels, dtype, device) -> None:
+        super().__init__()
+        norm = (arch.hidden_size, arch.rms_norm_eps, kernels, dtype, device)
+        for name in NORMS:
+            setattr(self, name, RMSNorm(*norm))
+        self.self_attn = Attention(arch, tp, kernels, dtype, device)
+        self.mlp = MLP(arch, tp, kernels, dtype, device)
+        self.sliding = sliding
+        self.rope_local: torch.Tensor | None = None  # a sliding layer's rope cache (the model's)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        rope = self.rope_local if self.sliding else rope_cache
+        h = self.post_attention_layernorm(self.self_attn(h, positions, rope, md, kv_cache))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3CausalLM(CausalLM):
+    def __init__(self, arch: ModelArch, tp, dtype, device, max_positions: int, kernels) -> None:
+        super().__init__(arch, tp, dtype, device, max_positions, kernels)
+        local = rope_inv_freq(arch.head_dim, arch.rope_local_theta or 10000.0, None)
+        self.register_buffer(
+            "rope_cache_local",
+            rope_cos_sin_cache(local, max_positions, dtype, device),
+            persistent=False,
+        )
+        for layer in self.layers:
+            layer.rope_local = self.rope_cache_local
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5, dtype=dtype)
+
+    def make_layer(self, arch: ModelArch, i: int, *args) -> nn.Module:
+        return GemmaDecoderLayer(arch, arch.layer_types[i] == SLIDING, *args)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        kv_caches: list[KVCache],
+        sample_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
+        h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def expected_weights(self) -> set[str]:
+        names = super().expected_weights()
+        for i in range(self.arch.num_layers):
+            names |= {f"model.layers.{i}.{n}.weight" for n in NORMS[2:]}
+        return names
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        if name.endswith("norm.weight"):  # (1 + weight), in float32 as transformers has it
+            tensor = tensor.float() + 1.0
+        m = name.split(".")
+        if len(m) == 5 and m[0] == "model" and m[1] == "layers" and m[3] in NORMS[2:]:
+            getattr(self.layers[int(m[2])], m[3]).weight.copy_(tensor.to(self.embed_tokens.dtype))
+            return True
+        return super().load_weight(name, tensor)
