@@ -22,7 +22,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128), (6, 2, 24)],  # 24: no fast path
+    [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128), (4, 1, 256), (6, 2, 24)],  # 24: no fast path
 )
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ ext = cpp_extension.load(
 assert ext.has_avx2() and not ext.has_avx512()
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 for dtype in TOL:
-    for heads, kvh, hd in [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)]:
+    for heads, kvh, hd in [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128), (4, 1, 256)]:
         for bs in (16, 32):
             for contexts in ([1, 15, 16, 17, 33, 64, 100, 250], [250, 17], [300]):
                 gen = torch.Generator().manual_seed(0)

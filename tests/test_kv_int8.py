@@ -71,7 +71,7 @@ def _contexts(dtype, kv_heads, head_dim, block_size, contexts, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(8, 2, 64), (4, 1, 128), (9, 3, 64), (4, 4, 16), (6, 2, 24)],  # 24: the generic path only
+    [(8, 2, 64), (4, 1, 128), (4, 1, 256), (9, 3, 64), (4, 4, 16), (6, 2, 24)],  # 24: generic only
 )
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 33, 100, 250], [250, 17]])

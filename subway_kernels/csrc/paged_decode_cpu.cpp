@@ -100,7 +100,7 @@ static inline void prefetch_block(const T* first_row, int64_t rows, int64_t row_
 #endif
 
 #if defined(__AVX512F__)
-// The fast path, AVX-512: head_dim a multiple of 16 (NC chunks of 16 floats) and up to 128.
+// The fast path, AVX-512: head_dim 16, 32, 64, 128 or 256 (Gemma 3) (NC chunks of 16 floats).
 // One work item is one (sequence, KV head) and its G query heads. Each block of BS keys is
 // converted to float once into a small tile, then every query head of the group reads it
 // from L1: the scores with one FMA chain and one horizontal sum per key, the values with
@@ -279,7 +279,7 @@ static constexpr bool kHaveAvx512 = false;
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // The AVX2 path (CPUs without AVX-512, such as AMD's before Zen 4): the AVX-512 path's
-// plan on 8 lanes, head_dim a multiple of 8 up to 128 (NC chunks of 8 floats). A work item
+// plan on 8 lanes, head_dim 16, 32, 64, 128 or 256 (NC chunks of 8 floats). A work item
 // is a sequence with all its KV heads (one (sequence, KV head) each when sequences are
 // few). Each key row is widened to float once, in registers, and every query head of the
 // item takes it: scores with one FMA chain per key and an 8-key horizontal-add tree; the
@@ -563,7 +563,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
 static constexpr bool kHaveAvx2 = true;
 
 // For paged_decode_int8_cpu.cpp: the AVX2 kernel over an 8-bit cache, where the head size
-// suits it (head_dim 16, 32, 64 or 128); false where it does not, for the generic kernel.
+// suits it (head_dim 16, 32, 64, 128 or 256); false where it does not, for the generic kernel.
 template <typename T>
 bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
                       const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
@@ -573,6 +573,7 @@ bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int3
     case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
     case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
     case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 256: decode_kernel_avx2<T, 32, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
     default: return false;
   }
 }
@@ -602,6 +603,7 @@ static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables
       case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_kernel_avx512<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
@@ -613,6 +615,7 @@ static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables
       case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_kernel_avx2<T, 32>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }

@@ -233,6 +233,7 @@ static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const 
       case 32: return decode_int8_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 64: return decode_int8_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_int8_avx512<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
