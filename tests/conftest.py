@@ -164,16 +164,31 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
                                   sliding_window=256, layer_types=["sliding_attention"] * 3
                                   + ["full_attention"])  # fmt: skip
         config.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma3_vl":  # the vision-language checkpoint: its text model is served
+        from transformers import AutoModelForImageTextToText, Gemma3Config, SiglipVisionConfig
+
+        common["num_hidden_layers"] = 3
+        text = Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24,
+                                sliding_window=256, layer_types=["sliding_attention"] * 2
+                                + ["full_attention"])  # fmt: skip
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        config.architectures = ["Gemma3ForConditionalGeneration"]
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     else:
         raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch != "gemma3_vl":
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is small; widen it so that greedy choices are decisive, not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 # so that a norm weight that is not loaded shows (Gemma's is 1 + weight)
-                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.1)
+                p.normal_(0.0 if arch.startswith("gemma3") else 1.0, 0.1)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
             else:

@@ -191,6 +191,23 @@ def test_gemma3_matches_transformers(tmp_path, default_model):
     assert compare(planner, hf_greedy(path, prompts, 12)) == 0
 
 
+def test_a_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path, default_model):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and larger ship so): the text model's
+    weights under the checkpoint's prefix, the vision tower's left out, greedy as
+    transformers' text-only generate."""
+    from conftest import build_tiny_model
+
+    torch.set_num_threads(1)
+    path = build_tiny_model("gemma3_vl", str(tmp_path / "gemma3_vl"), default_model)
+    runner = make_runner(path)
+    prompts = _random_prompts(runner.vocab_size, [5, 40, 17], seed=4)
+    planner = MiniPlanner(budget=32)
+    for p in prompts:
+        planner.add(p, 8)
+    planner.run(runner)
+    assert compare(planner, hf_greedy(path, prompts, 8)) == 0
+
+
 def test_real_gemma3_270m_matches_transformers(gemma3_270m):
     """Gemma 3 270M's real weights (dequantized from its Q4_K_M GGUF; 18 layers, 15 of them
     sliding, head_dim 256, a 262k vocabulary) over held-out prompts, chunked beside decodes."""

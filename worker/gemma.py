@@ -1,4 +1,5 @@
-"""Gemma 3's text model (`Gemma3ForCausalLM`) on the Llama family's parts (`model.py`).
+"""Gemma 3's text model (`Gemma3ForCausalLM`, or that of a `Gemma3ForConditionalGeneration`
+checkpoint, `checkpoint_name`) on the Llama family's parts (`model.py`).
 
 What differs from Llama, as transformers' `Gemma3ForCausalLM` computes it:
 - the embeddings are scaled by sqrt(hidden_size) (in the model's dtype);
@@ -30,6 +31,10 @@ from subway.worker.layers import RMSNorm
 from subway.worker.model import MLP, Attention, CausalLM, KVCache, ModelArch
 
 SLIDING = "sliding_attention"
+LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."))  # fmt: skip
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                   "multi_modal_projector.")  # fmt: skip
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
          "post_feedforward_layernorm")  # fmt: skip
 
@@ -96,6 +101,17 @@ class Gemma3CausalLM(CausalLM):
         h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
         h, _ = self.norm(h, residual)
         return h
+
+    def checkpoint_name(self, key: str) -> str | None:
+        """A vision-language checkpoint's text model under its own names (transformers 5:
+        `model.language_model.*`; earlier: `language_model.model.*`); its vision tower and
+        projector are not run."""
+        for prefix, to in LANGUAGE_PREFIXES:
+            if key.startswith(prefix):
+                return to + key[len(prefix) :]
+        if key.startswith(VISION_PREFIXES):
+            return None
+        return key
 
     def expected_weights(self) -> set[str]:
         names = super().expected_weights()

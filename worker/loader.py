@@ -21,11 +21,12 @@ def load_weights(model: CausalLM, path: str) -> None:
     seen: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(_IGNORED):
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = None if key.endswith(_IGNORED) else model.checkpoint_name(key)
+                if name is None:  # a part of the checkpoint the model does not run
                     continue
-                if not model.load_weight(name, f.get_tensor(name)):
-                    raise ValueError(f"unexpected weight {name!r} in {file}")
+                if not model.load_weight(name, f.get_tensor(key)):
+                    raise ValueError(f"unexpected weight {key!r} in {file}")
                 seen.add(name)
     missing = model.expected_weights() - seen
     if missing:

@@ -308,6 +308,10 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
+    def checkpoint_name(self, key: str) -> str | None:
+        """A checkpoint entry's name as `load_weight` knows it (None: not this model's)."""
+        return key
+
     def expected_weights(self) -> set[str]:
         """Checkpoint names that must all be present."""
         arch = self.arch

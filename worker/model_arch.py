@@ -21,6 +21,8 @@ ARCHITECTURES = {
 MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
 }  # fmt: skip
+# Vision-language checkpoints whose text model Subway runs -> that text model's architecture.
+MULTIMODAL = {("Gemma3ForConditionalGeneration",): "Gemma3ForCausalLM"}
 # Config fields of an architecture's family that change the model and that Subway does not
 # implement: a model that sets one is refused at start, never run wrong.
 UNSUPPORTED_FIELDS = (
@@ -70,6 +72,12 @@ def load_model_arch(path: str) -> ModelArch:
 
 
 def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> ModelArch:
+    if MULTIMODAL.get(tuple(cfg.get("architectures") or ())) and "text_config" in cfg:
+        # The text model of a vision-language checkpoint (its images are not served).
+        text = {"eos_token_id": cfg.get("eos_token_id"), **cfg["text_config"]}
+        text["architectures"] = [MULTIMODAL[tuple(cfg["architectures"])]]
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+        return parse_model_arch(text, generation_eos)
     family = _family(cfg)
     quantized = cfg.get("quantization_config")
     if quantized:
