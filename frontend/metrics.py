@@ -45,6 +45,10 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.scheduler_time),
     ("worker_idle_last_step_seconds", "Worker wait for the last plan.",
      lambda s: s.worker_idle_time),
+    ("step_last_seconds", "The last settled step's time, plan sent to result.",
+     lambda s: s.step_time),
+    ("step_predicted_last_seconds", "The step cost model's prediction for that step, made "
+     "before it ran (scheduler/slo.py).", lambda s: s.predicted_step_time),
     ("kv_leases", "Disaggregation: leases a prefill engine holds now.", lambda s: s.kv_leases),
     ("lora_memory_bytes", "LoRA: bytes rank 0 holds for adapters (their slots on the model's "
      "device, the adapters kept loaded in host memory).", lambda s: s.lora_memory_bytes),
@@ -57,6 +61,9 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      "deadline still reachable.", lambda s: s.slo_waits_total),
     ("chunk_capped_steps", "edf with --slo-tpot-ms: steps whose batch prefill chunks were "
      "shrunk to keep the step under the TPOT SLO.", lambda s: s.chunk_capped_steps_total),
+    ("pooling_limited_steps", "Steps whose pooled prompts (embeddings, scores) --pooling-share "
+     "held back so that the step's decodes keep their pace.",
+     lambda s: s.pooling_limited_steps_total),
     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
      lambda s: s.prefix_cache_hits_total),
     ("prefix_cache_queries", "Prompt tokens looked up.", lambda s: s.prefix_cache_queries_total),

@@ -336,6 +336,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     scheduler_time: float = 0.0  # seconds spent planning the last step
     worker_idle_time: float = 0.0  # seconds the workers waited for the last plan
     step_time: float = 0.0
+    predicted_step_time: float = 0.0  # the step cost model's figure for that step, beforehand
     # Running totals since start, for rates and fractions over any interval:
     num_steps_total: int = 0
     worker_busy_time_total: float = 0.0  # seconds rank 0 spent running steps
@@ -347,6 +348,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_displaced_total: int = 0
     slo_waits_total: int = 0
     chunk_capped_steps_total: int = 0
+    pooling_limited_steps_total: int = 0  # steps --pooling-share held pooled prompts back
     # Speculative decoding: steps that carried a draft, draft tokens proposed, and accepted.
     spec_num_drafts_total: int = 0
     spec_draft_tokens_total: int = 0

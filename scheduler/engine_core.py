@@ -122,6 +122,7 @@ class EngineCore:
             sent, num_tokens, kv, decodes = self._sent.popleft() if self._sent else (now, 0, 0, 0)
             step_time = now - max(sent, self._last_result_at)
             sched.stats.last_step_time = step_time
+            sched.stats.last_predicted_step_time = sched.step_cost.predict(num_tokens, kv, decodes)
             sched.step_cost.observe(num_tokens, step_time, kv, decodes)
             self._last_result_at = now
             deltas += sched.process_result(result, tokens)

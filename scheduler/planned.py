@@ -59,3 +59,4 @@ class Planned:
     decode_kv: int = 0  # the context the decodes read (for the step cost model)
     decode_tokens: int = 0  # the decodes' tokens, drafts included (the same)
     capped: bool = False  # the policy's cap cut a batch chunk
+    pool_limited: bool = False  # --pooling-share cut a pooled prompt's chunk (or left it out)

@@ -289,6 +289,7 @@ class Planner:
             n = self._capped_chunk(n, budget)
         if self._pool_room is not None and req.sampling.pooling and n > self._pool_room:
             n = self._pool_room
+            self._out.pool_limited = True
         return n
 
     def _admit(self, req: Request, step: int, budget: int) -> tuple[int, int]:

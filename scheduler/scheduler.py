@@ -323,8 +323,8 @@ class Scheduler:
                 del waiting[: out.num_admitted]
         for req in out.requeue:
             self.enqueue(req)
-        if out.capped:
-            stats.chunk_capped_steps_total += 1
+        stats.chunk_capped_steps_total += out.capped
+        stats.pooling_limited_steps_total += out.pool_limited
         if not out.steps:
             return None
         plan = Plan(step, out.steps, out.new_seqs, self.finished_ids, self.preempted_ids)

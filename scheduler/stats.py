@@ -33,11 +33,13 @@ class SchedulerStats:
     worker_idle_total: float = 0.0
     last_worker_idle_time: float = 0.0
     last_step_time: float = 0.0
+    last_predicted_step_time: float = 0.0  # the cost model's figure for it, beforehand
     num_failed_total: int = 0  # sequences a failed step ended with "error"
     ipc_rejected_total: int = 0  # messages refused: the scheduler's and the workers' own
     num_displaced_total: int = 0  # running requests preempted for a waiting one (seat/blocks)
     slo_waits_total: int = 0  # steps a waiting chat let a batch request keep its seat (slack)
     chunk_capped_steps_total: int = 0  # steps whose batch prefill chunks the TPOT cap shrank
+    pooling_limited_steps_total: int = 0  # steps whose pooled prompts --pooling-share held back
     spec_drafts_total: int = 0  # speculative decoding: steps of a request with a draft,
     spec_draft_tokens_total: int = 0  # the draft tokens they proposed,
     spec_accepted_tokens_total: int = 0  # and how many the worker accepted
@@ -76,6 +78,7 @@ class SchedulerStats:
             scheduler_time=self.last_schedule_time,
             worker_idle_time=self.last_worker_idle_time,
             step_time=self.last_step_time,
+            predicted_step_time=self.last_predicted_step_time,
             num_steps_total=self.num_steps_total,
             worker_busy_time_total=self.worker_busy_total,
             worker_idle_time_total=self.worker_idle_total,
@@ -84,6 +87,7 @@ class SchedulerStats:
             num_displaced_total=self.num_displaced_total,
             slo_waits_total=self.slo_waits_total,
             chunk_capped_steps_total=self.chunk_capped_steps_total,
+            pooling_limited_steps_total=self.pooling_limited_steps_total,
             spec_num_drafts_total=self.spec_drafts_total,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,

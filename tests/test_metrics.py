@@ -22,6 +22,8 @@ GAUGES = (
     "num_requests_waiting",
     "kv_cache_usage_perc",
     "batch_size",
+    "step_last_seconds",
+    "step_predicted_last_seconds",
 )
 COUNTERS = (
     "num_preemptions",
@@ -30,6 +32,7 @@ COUNTERS = (
     "prompt_tokens",
     "generation_tokens",
     "request_success",
+    "pooling_limited_steps",
 )
 HISTOGRAMS = (
     "time_to_first_token_seconds",
@@ -118,6 +121,8 @@ def test_counts_are_exact(server):
     assert delta("prompt_tokens_total") == 10 * prompt_tokens
     assert delta("time_to_first_token_seconds_sum") > 0
     assert value(after, "num_requests_running") == 0
+    # The cost model's prediction for the last step sits beside its measured time.
+    assert value(after, "step_last_seconds") > 0 and value(after, "step_predicted_last_seconds") > 0
 
 
 def test_prefix_cache_counters_and_kv_usage(server):

@@ -325,6 +325,7 @@ def test_pooled_prompts_take_a_bounded_share_of_steps_that_decode(overlap):
     assert 16 <= max(shares) <= 16 + 4  # the share is used, and never passed (<= 4 decodes)
     assert max(alone) > 16  # with nothing decoding, pooled prompts take the budget
     assert late_at < last_pooled_at  # the late chat did not wait for every embedding
+    assert sched.stats.pooling_limited_steps_total > 0  # /metrics: subway:pooling_limited_steps
     assert all(outs[f"e{i}"].finish_reason for i in range(4))
 
 
