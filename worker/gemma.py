@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from subway.kernels.attention import AttentionMetadata
 from subway.kernels.ops import rope_cos_sin_cache, rope_inv_freq
 from subway.worker.layers import RMSNorm
-from subway.worker.model import MLP, Attention, CausalLM, KVCache, ModelArch
+from subway.worker.model import CausalLM, DecoderLayer, KVCache, ModelArch
 
 SLIDING = "sliding_attention"
 LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -39,14 +39,14 @@ NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layerno
          "post_feedforward_layernorm")  # fmt: skip
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
+    """The Llama layer's attention, MLP and two norms, and the two norms around the MLP."""
+
     def __init__(self, arch: ModelArch, sliding: bool, tp, kernels, dtype, device) -> None:
-        super().__init__()
+        super().__init__(arch, tp, kernels, dtype, device)
         norm = (arch.hidden_size, arch.rms_norm_eps, kernels, dtype, device)
-        for name in NORMS:
-            setattr(self, name, RMSNorm(*norm))
-        self.self_attn = Attention(arch, tp, kernels, dtype, device)
-        self.mlp = MLP(arch, tp, kernels, dtype, device)
+        self.pre_feedforward_layernorm = RMSNorm(*norm)
+        self.post_feedforward_layernorm = RMSNorm(*norm)
         self.sliding = sliding
         self.rope_local: torch.Tensor | None = None  # a sliding layer's rope cache (the model's)
 
@@ -86,21 +86,8 @@ class Gemma3CausalLM(CausalLM):
     def make_layer(self, arch: ModelArch, i: int, *args) -> nn.Module:
         return GemmaDecoderLayer(arch, arch.layer_types[i] == SLIDING, *args)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        md: AttentionMetadata,
-        kv_caches: list[KVCache],
-        sample_idx: torch.Tensor,
-    ) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
-        h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
-        h, _ = self.norm(h, residual)
-        return h
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
 
     def checkpoint_name(self, key: str) -> str | None:
         """A vision-language checkpoint's text model under its own names (transformers 5:

@@ -200,6 +200,9 @@ class CausalLM(nn.Module):
             persistent=False,
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
     def make_layer(self, arch: ModelArch, i: int, *args) -> nn.Module:
         """Layer `i` (`args`: tp, kernels, dtype, device); a family's subclass makes its own."""
         return DecoderLayer(arch, *args)
@@ -213,7 +216,7 @@ class CausalLM(nn.Module):
         sample_idx: torch.Tensor,
     ) -> torch.Tensor:
         """Final hidden states `[len(sample_idx), hidden]` at the sampling positions."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         fused = self.fused_decode
         lora = self.lora_step
         if lora is not None and lora.active:
@@ -239,8 +242,7 @@ class CausalLM(nn.Module):
     lm_head_packed: torch.Tensor | None = None
     lm_head_wide: bool = False  # lm_head_packed is the float32 copy of a bfloat16 lm_head
     lm_head_small: Callable | None = None  # the few-row linear, for a decode step's logits
-    # The lm_head as lm_head_small reads it where not as it is (AVX2, `small_layout`).
-    lm_head_small_weight: torch.Tensor | None = None
+    lm_head_small_weight: torch.Tensor | None = None  # lm_head as lm_head_small reads it (AVX2)
     lm_head_int8: Int8Linear | None = None
     fused_decode: FusedDecode | None = None  # set by pack_weights where it applies
     lora_step: LoraStep | None = None  # with LoRA on: the step's adapter segments (lora.py)
