@@ -1,4 +1,4 @@
-"""Fused decode (worker/model.py FusedDecode, decode_layers_cpu.cpp): every layer of a small
+"""Fused decode (worker/fused_decode.py FusedDecode, decode_layers_cpu.cpp): every layer of a small
 decode step in one compiled call must give the Python loop's bits, not nearly them."""
 
 from __future__ import annotations
