@@ -150,6 +150,31 @@ class _EngineCollector:
             c.add_metric(labels, s.ipc_rejected_total + (here if i == 0 else 0))
         yield c
         yield from self._lora(per_engine)
+        yield from self._moe(per_engine)
+
+    def _moe(self, per_engine: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        """A mixture of experts' routing: tokens per expert summed over layers (one series
+        per expert, not per layer and expert: bounded), and how uneven that load is."""
+        label_names = ["model_name", "engine", "role"]
+        c = CounterMetricFamily(
+            "subway:moe_expert_tokens",
+            "Mixture of experts: tokens routed to each expert since start, summed over layers.",
+            labels=[*label_names, "expert"],
+        )
+        g = GaugeMetricFamily(
+            "subway:moe_expert_load_imbalance",
+            "Mixture of experts: the busiest expert's tokens over the mean expert's, since "
+            "start (1: even; 0 before any).",
+            labels=label_names,
+        )
+        for labels, s in per_engine:
+            counts = s.moe_expert_tokens_total
+            for e, n in enumerate(counts):
+                c.add_metric([*labels, str(e)], n)
+            total = sum(counts)
+            g.add_metric(labels, max(counts) * len(counts) / total if total else 0.0)
+        yield c
+        yield g
 
     def _lora(self, per_engine: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
         """The adapters served (the frontend's registry), and each engine's requests of each

@@ -54,6 +54,7 @@ class TokenRef(msgspec.Struct, array_like=True, omit_defaults=True):
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias, at most (OpenAI: 300)
 POOLINGS = ("last", "mean")  # SamplingParams.pooling: of the prompt's final hidden states
 MAX_EMBEDDING_BYTES = 4 << 16  # an embedding: float32, 65,536 dimensions at most
+MAX_EXPERTS = 1 << 12  # a mixture of experts' experts a layer, as a worker reports them
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -201,6 +202,8 @@ class StepResult(msgspec.Struct, tag="result", omit_defaults=True):
     lora_loads_total: int = 0
     lora_evictions_total: int = 0
     lora_memory_bytes: int = 0  # its adapter slots and the adapters it keeps loaded
+    # A mixture of experts: tokens routed to each expert since start, summed over layers.
+    moe_expert_tokens: list[int] = []
 
 
 class WorkerError(msgspec.Struct, tag="worker_error"):
@@ -369,6 +372,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     lora_loads_total: int = 0
     lora_evictions_total: int = 0
     lora_memory_bytes: int = 0  # rank 0's adapter slots and loaded adapters
+    moe_expert_tokens_total: list[int] = []  # per expert, summed over layers (rank 0's)
 
 
 class Deltas(msgspec.Struct, tag="deltas", omit_defaults=True):

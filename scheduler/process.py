@@ -231,6 +231,7 @@ class SchedulerLoop:
             s.lora_loads_total, s.lora_evictions_total, s.lora_memory_bytes = (
                 self.workers.lora_counts
             )
+            s.moe_expert_tokens_total = self.workers.moe_expert_tokens
             blocks = sched.block_manager
             if blocks.track_digests:
                 msg.cache_stored, msg.cache_removed = blocks.take_digest_events()

@@ -58,6 +58,7 @@ import zmq
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import (
     MAX_EMBEDDING_BYTES,
+    MAX_EXPERTS,
     Codec,
     FromWorker,
     GrammarPrepare,
@@ -150,6 +151,7 @@ class WorkerLink:
         self.refusals = Refusals(log, "a worker")
         self.worker_rejected = 0  # messages rank 0 says it refused
         self.lora_counts = (0, 0, 0)  # rank 0's adapter loads, evictions and bytes, as reported
+        self.moe_expert_tokens: list[int] = []  # rank 0's tokens per expert, as reported
         self._results: list[tuple[StepResult, list[int]]] = []
         self._imported: list[KvImported] = []  # KV copies the ranks have answered
         self._grammars: list[GrammarReady] = []  # rank 0's compile answers
@@ -332,7 +334,7 @@ class WorkerLink:
         except ValueError as e:
             self.refusals.refuse("bad token ref", str(e))
             return
-        problem = _check_result(msg, tokens, sampled, self.vocab_size, plan)
+        problem = check_result(msg, tokens, sampled, self.vocab_size, plan)
         if problem is not None:
             self.refusals.refuse("malformed result", f"step {msg.step}: {problem}")
             return
@@ -340,6 +342,8 @@ class WorkerLink:
         self._progress_at = self.clock()
         self.worker_rejected = msg.rejected_total
         self.lora_counts = (msg.lora_loads_total, msg.lora_evictions_total, msg.lora_memory_bytes)
+        if msg.moe_expert_tokens:
+            self.moe_expert_tokens = msg.moe_expert_tokens
         self._results.append((msg, tokens))
 
     # ------------------------------------------------------------ exit
@@ -358,7 +362,7 @@ class WorkerLink:
             self.sampled_buf = None
 
 
-def _check_result(
+def check_result(
     msg: StepResult, tokens: list[int], sampled: list[int], vocab: int, plan: Plan
 ) -> str | None:
     """What is wrong with a result for `plan`, which samples `sampled`; or None."""
@@ -395,6 +399,9 @@ def _check_result(
         known = {s.seq_id for s in plan.seqs} | {s.seq_id for s in plan.new_seqs}
         if not known.issuperset(msg.failed):
             return "failed sequences the plan did not touch"
+    moe = msg.moe_expert_tokens
+    if moe and (len(moe) > MAX_EXPERTS or min(moe) < 0):
+        return f"{len(moe)} expert token counts, or a negative one (at most {MAX_EXPERTS})"
     return None
 
 

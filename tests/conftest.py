@@ -128,6 +128,18 @@ def gemma3_270m() -> str:
     return out
 
 
+MOE_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=32,
+                  moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+}  # fmt: skip
+
+
 def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
     import torch
     from transformers import (
@@ -178,6 +190,13 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
         config.architectures = ["Gemma3ForConditionalGeneration"]
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    elif arch in MOE_CONFIGS:  # 8 experts, 2 a token; Qwen's middle layer stays dense
+        import transformers
+
+        cls, extra = MOE_CONFIGS[arch]
+        common.update(num_hidden_layers=3, **extra)
+        config = getattr(transformers, cls)(**common)
+        config.architectures = [cls.replace("Config", "ForCausalLM")]
     else:
         raise ValueError(arch)
     if arch != "gemma3_vl":

@@ -22,7 +22,7 @@ from test_scheduler_props import workloads
 from subway import LLM
 from subway.ipc.messages import Grammar, Plan, SamplingParams, SeqStep, StepResult, TokenRef
 from subway.scheduler.speculative import SpeculativeConfig, SpeculativeConfigError, propose
-from subway.scheduler.worker_link import _check_result
+from subway.scheduler.worker_link import check_result
 from subway.worker.speculative import draft_rows, verify
 
 import reference as hf
@@ -271,7 +271,7 @@ def test_a_result_must_fit_its_plans_drafts():
 
     def result(num_tokens, tokens, **kw):
         r = StepResult(3, [1, 2], TokenRef(ids=tokens), num_tokens=num_tokens, **kw)
-        return _check_result(r, tokens, [1, 2], 100, plan)
+        return check_result(r, tokens, [1, 2], 100, plan)
 
     assert result([3, 1], [4, 5, 6, 7]) is None
     assert result([], [4, 7]) is None

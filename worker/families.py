@@ -7,7 +7,8 @@ import torch
 from subway.kernels.dispatch import Kernels
 from subway.worker.gemma import Gemma3CausalLM
 from subway.worker.model import CausalLM
-from subway.worker.model_arch import ModelArch
+from subway.worker.model_arch import MOE_FAMILIES, ModelArch
+from subway.worker.moe import MoECausalLM
 from subway.worker.parallel import TensorParallel
 
 
@@ -20,7 +21,11 @@ def build_model(
     kernels: Kernels,
 ) -> CausalLM:
     """The model of `arch`'s family, its weights not loaded."""
-    cls = Gemma3CausalLM if arch.family == "gemma3" else CausalLM
+    cls = CausalLM
+    if arch.family == "gemma3":
+        cls = Gemma3CausalLM
+    elif arch.family in MOE_FAMILIES:
+        cls = MoECausalLM
     return cls(arch, tp, dtype, device, max_positions, kernels)
 
 

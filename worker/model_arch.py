@@ -17,9 +17,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 MODEL_TYPES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
 }  # fmt: skip
 # Vision-language checkpoints whose text model Subway runs -> that text model's architecture.
 MULTIMODAL = {("Gemma3ForConditionalGeneration",): "Gemma3ForCausalLM"}
@@ -29,14 +34,17 @@ UNSUPPORTED_FIELDS = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "use_bidirectional_attention",
+    "clip_qkv",  # OLMo: q, k and v clamped
 )
+# Mixture-of-experts families (`worker/moe.py`) -> the dense family whose attention they share.
+MOE_FAMILIES = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "olmoe": "llama"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class ModelArch:
-    family: str  # "llama", "qwen2", "qwen3" or "gemma3"
+    family: str  # "llama", "qwen2", "qwen3", "gemma3" or one of MOE_FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +70,16 @@ class ModelArch:
     attn_scale: float | None = None
     layer_types: list[str] = field(default_factory=list)
     rope_local_theta: float | None = None
+    # Mixture of experts (`worker/moe.py`, num_experts 0: dense): which layers route (the
+    # others run the dense MLP of intermediate_size), how many experts a token takes, whether
+    # their weights are renormalised to sum to 1, and a shared expert (Qwen2-MoE) of its size.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[bool] = field(default_factory=list)
+    shared_expert_size: int = 0
+    qk_norm_full: bool = False  # OLMoE: q and k normed over all heads at once, not per head
 
 
 def load_model_arch(path: str) -> ModelArch:
@@ -79,6 +97,7 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
         return parse_model_arch(text, generation_eos)
     family = _family(cfg)
+    dense = MOE_FAMILIES.get(family, family)  # the attention's family
     quantized = cfg.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
@@ -100,7 +119,7 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         theta, scaling, local_theta, layer_types = _gemma3_layers(cfg)
     attention_bias = bool(cfg.get("attention_bias", False))
     window = None
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "llama"):
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", dense == "llama"):
         window = int(cfg["sliding_window"])
     if family == "gemma3" and "sliding_attention" in layer_types:
         window = int(cfg.get("sliding_window") or 4096)
@@ -122,10 +141,10 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else attention_bias,
-        o_bias=False if family == "qwen2" else attention_bias,
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if dense == "qwen2" else attention_bias,
+        o_bias=False if dense == "qwen2" else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=dense in ("qwen3", "gemma3") or family == "olmoe",
         dtype=_DTYPES.get(
             str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32
         ),
@@ -137,6 +156,7 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         else None,
         layer_types=layer_types,
         rope_local_theta=local_theta,
+        **(_moe(cfg, family) if family in MOE_FAMILIES else {}),
     )
 
 
@@ -209,6 +229,30 @@ def _gemma3_layers(cfg: dict) -> tuple[float, dict | None, float, list[str]]:
         return theta, scaling, local_theta, list(kinds)
     theta, scaling = _rope(cfg)
     return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0)), list(kinds)
+
+
+def _moe(cfg: dict, family: str) -> dict:
+    """ModelArch's mixture-of-experts fields from a config (Mixtral: `num_local_experts`,
+    always renormalised, every layer routed; the Qwen MoEs: `decoder_sparse_step` and
+    `mlp_only_layers` pick the routed layers)."""
+    n = cfg["num_hidden_layers"]
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"{family}: {experts} experts, {top_k} a token: not a mixture of experts")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=experts,
+        experts_per_token=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=True if family == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=[i not in dense_only and (i + 1) % step == 0 for i in range(n)],
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if family == "qwen2_moe"
+        else 0,
+        qk_norm_full=family == "olmoe",
+    )
 
 
 def _generation_eos(path: str) -> list[int]:

@@ -289,6 +289,9 @@ class WorkerLoop:
                 result.lora_loads_total = lora.loads_total
                 result.lora_evictions_total = lora.evictions_total
                 result.lora_memory_bytes = lora.memory_bytes
+            expert_tokens = getattr(self.runner.model, "expert_tokens", None)
+            if expert_tokens is not None:
+                result.moe_expert_tokens = expert_tokens.tolist()
             self.send(result)
             self.last_sent = time.perf_counter()
 

@@ -58,7 +58,7 @@ def input_ranges(model: nn.Module, ids: list[int], block_size: int) -> dict[obje
     hooks = [
         m.register_forward_pre_hook(lambda mod, args: keep(mod, args[0]))
         for m in model.modules()
-        if isinstance(m, PackedLinear)
+        if isinstance(m, PackedLinear) or hasattr(m, "experts")  # a MoE layer's input too
     ]
     try:
         arch, device = model.arch, model.embed_tokens.device
@@ -106,35 +106,66 @@ def _scale(t: torch.Tensor, by: torch.Tensor) -> None:
 def smooth(model: nn.Module, ranges: dict[object, torch.Tensor]) -> torch.Tensor:
     """Fold the factors into the model (see the module doc); the smoothed lm_head copy."""
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = attn.qkv
-        s = factors(ranges[qkv], column_ranges(qkv.weight))
-        _scale(qkv.weight, s[None, :])
-        _scale(layer.input_layernorm.weight, 1 / s)
-        s = factors(ranges[mlp.gate_up], column_ranges(mlp.gate_up.weight))
-        _scale(mlp.gate_up.weight, s[None, :])
+        _smooth_attention(layer.self_attn, layer.input_layernorm, ranges)
         # The norm whose output the MLP reads (Gemma's sandwich: the pre-feedforward one).
         mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
-        _scale(mlp_norm.weight, 1 / s)
-        down, inner = mlp.down_proj, mlp.down_proj.weight.shape[1]
-        s = factors(ranges[down], column_ranges(down.weight))
-        _scale(down.weight, s[None, :])
-        _scale(mlp.gate_up.weight[inner:], 1 / s[:, None])
-        if mlp.gate_up.bias is not None:
-            _scale(mlp.gate_up.bias[inner:], 1 / s)
-        # o_proj's input channel (query head h, d) reads value channel (h // group, d).
-        kv, d = qkv.num_kv_heads, qkv.head_dim
-        group = qkv.num_heads // kv
-        x = ranges[attn.o_proj].view(kv, group, d).amax(1)
-        s = factors(x, column_ranges(attn.o_proj.weight).view(kv, group, d).amax(1))
-        _scale(attn.o_proj.weight, s[:, None, :].expand(kv, group, d).reshape(1, -1))
-        v = slice(qkv.q_size + qkv.kv_size, qkv.q_size + 2 * qkv.kv_size)
-        _scale(qkv.weight[v], 1 / s.reshape(-1, 1))
-        if qkv.bias is not None:
-            _scale(qkv.bias[v], 1 / s.reshape(-1))
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):  # a mixture of experts (worker/moe.py)
+            _smooth_experts(mlp, mlp_norm, ranges)
+        else:
+            s = factors(ranges[mlp.gate_up], column_ranges(mlp.gate_up.weight))
+            _scale(mlp.gate_up.weight, s[None, :])
+            _scale(mlp_norm.weight, 1 / s)
+            _smooth_down(mlp, ranges)
     s = factors(ranges["lm_head"], column_ranges(model.lm_head))
     _scale(model.norm.weight, 1 / s)
     return (model.lm_head.detach().float() * s[None, :]).to(model.lm_head.dtype)
+
+
+def _smooth_attention(attn: nn.Module, norm: nn.Module, ranges: dict) -> None:
+    qkv = attn.qkv
+    s = factors(ranges[qkv], column_ranges(qkv.weight))
+    _scale(qkv.weight, s[None, :])
+    _scale(norm.weight, 1 / s)
+    # o_proj's input channel (query head h, d) reads value channel (h // group, d).
+    kv, d = qkv.num_kv_heads, qkv.head_dim
+    group = qkv.num_heads // kv
+    x = ranges[attn.o_proj].view(kv, group, d).amax(1)
+    s = factors(x, column_ranges(attn.o_proj.weight).view(kv, group, d).amax(1))
+    _scale(attn.o_proj.weight, s[:, None, :].expand(kv, group, d).reshape(1, -1))
+    v = slice(qkv.q_size + qkv.kv_size, qkv.q_size + 2 * qkv.kv_size)
+    _scale(qkv.weight[v], 1 / s.reshape(-1, 1))
+    if qkv.bias is not None:
+        _scale(qkv.bias[v], 1 / s.reshape(-1))
+
+
+def _smooth_down(mlp: nn.Module, ranges: dict) -> None:
+    """down_proj's factors into the up rows of gate_up; an expert that took no calibration
+    token is left as it is."""
+    down, inner = mlp.down_proj, mlp.down_proj.weight.shape[1]
+    if down not in ranges:
+        return
+    s = factors(ranges[down], column_ranges(down.weight))
+    _scale(down.weight, s[None, :])
+    _scale(mlp.gate_up.weight[inner:], 1 / s[:, None])
+    if mlp.gate_up.bias is not None:
+        _scale(mlp.gate_up.bias[inner:], 1 / s)
+
+
+def _smooth_experts(mlp: nn.Module, norm: nn.Module, ranges: dict) -> None:
+    """The layer's input feeds the router and every expert: one factor per channel, from
+    the input's range and the widest of their columns, into all of them (the router too,
+    so that its float product is unchanged)."""
+    mlps = [*mlp.experts, *([mlp.shared] if mlp.shared is not None else [])]
+    readers = [m.gate_up.weight for m in mlps] + [mlp.router]
+    readers += [mlp.shared_gate] if mlp.shared_gate is not None else []
+    w = torch.stack([column_ranges(r) for r in readers]).amax(0)
+    s = factors(ranges[mlp], w)
+    for r in readers:
+        _scale(r, s[None, :])
+    _scale(norm.weight, 1 / s)
+    for m in mlps:
+        _smooth_down(m, ranges)
 
 
 def smooth_for_int8(model: nn.Module, tokenizer_path: str, block_size: int) -> torch.Tensor:
