@@ -14,11 +14,22 @@ each slot and head holds its quantized vector, then that vector's float32 scale
 Decodes (one query token) are batched into one gather and two matmuls, padded
 to the longest decode context and masked. Prefill chunks are computed one
 sequence at a time, causally over their cached prefix and themselves.
+
+Sliding windows (`window=W` to `paged_attention`): a query at position i attends to
+key j iff j <= i and i - j < W (transformers' `sliding_window_overlay`). The step's
+metadata holds a `WindowMetadata` per window size of the model (`build_metadata`'s
+`windows`), built once and shared by every layer of that window: a decode's block
+table row starts at the block of its first key in the window (`first_block`), its
+context length counts from there, and `skip` is how many keys of that block lie
+before the window; a prefill chunk reads from the first block any of its queries
+needs, under a causal and windowed mask. Layers without a window read the plain
+fields, as before. (Blocks before a window stay allocated: only attention slides.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +52,20 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, int]]  # (seq index, query start, query len, context len)
     prefill_masks: list[torch.Tensor | None]  # per prefill: [qlen, ctx] bool, None when no prefix
     all_decode: bool  # every sequence is a decode and tokens are in sequence order
+    # Per sliding window size of the model (`window=W` layers): what those layers read.
+    windows: dict[int, WindowMetadata] = field(default_factory=dict)
+
+
+@dataclass
+class WindowMetadata:
+    """A step's decodes and prefill chunks as the layers of one sliding window read them
+    (see the module doc); built once per step by `build_metadata`."""
+
+    decode_tables: torch.Tensor  # [num_decodes, blocks] int32: rows from the first block
+    decode_lens: torch.Tensor  # [num_decodes] int32: context lengths counted from that block
+    decode_skip: torch.Tensor | None  # [num_decodes] int32: its keys before the window; None: 0
+    decode_pad: torch.Tensor  # [num_decodes, blocks * block_size] bool: outside the window
+    prefills: list[tuple[int, torch.Tensor | None]]  # per prefill: first block, [qlen, keys] mask
 
 
 def build_metadata(
@@ -50,11 +75,13 @@ def build_metadata(
     slot_mapping: np.ndarray,
     block_size: int,
     device: torch.device | str,
+    windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """Metadata from host arrays: per sequence its query length, context length, block table row.
 
     `slot_mapping` comes from `positions_and_slots`, which the caller also
-    needs for the positions.
+    needs for the positions. `windows`: the model's sliding window sizes (`CausalLM.windows`,
+    empty without any), each given its `WindowMetadata`.
     """
     num_seqs = len(query_lens)
     qsl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -73,6 +100,11 @@ def build_metadata(
     def to(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
 
+    windowed = {
+        w: _window_metadata(w, context_lens[dec], block_tables[dec], prefills, prefill_masks,
+                            block_size, to)
+        for w in windows
+    }  # fmt: skip
     return AttentionMetadata(
         slot_mapping=to(slot_mapping, torch.int64),
         query_start_loc=to(qsl, torch.int32),
@@ -85,6 +117,46 @@ def build_metadata(
         prefills=prefills,
         prefill_masks=prefill_masks,
         all_decode=all_decode,
+        windows=windowed,
+    )
+
+
+def _window_metadata(
+    window: int,
+    dec_ctx: np.ndarray,
+    dec_tables: np.ndarray,
+    prefills: list[tuple[int, int, int, int]],
+    prefill_masks: list[torch.Tensor | None],
+    block_size: int,
+    to: Callable[[np.ndarray, torch.dtype], torch.Tensor],
+) -> WindowMetadata:
+    """One window's view of a step: the decodes' shifted rows (`dec_ctx`, `dec_tables`: the
+    decodes' context lengths and block table rows) and each prefill's first block and mask."""
+    start = np.maximum(dec_ctx - window, 0)  # a decode's first key in the window
+    first = start // block_size
+    lens = dec_ctx - first * block_size
+    skip = start - first * block_size
+    blocks = -(-int(lens.max()) // block_size) if len(lens) else 0
+    width = max(dec_tables.shape[1], 1)
+    cols = np.minimum(first[:, None] + np.arange(blocks)[None, :], width - 1)  # pad: any block
+    tables = np.take_along_axis(dec_tables, cols, axis=1) if dec_tables.size else cols
+    keys = np.arange(blocks * block_size)[None, :]
+    pad = (keys < skip[:, None]) | (keys >= lens[:, None])
+    windowed = []
+    for (_, _, qlen, ctx), mask in zip(prefills, prefill_masks, strict=True):
+        if ctx <= window:  # no query of the chunk reaches past the window: as without one
+            windowed.append((0, mask))
+            continue
+        first_block = max(0, ctx - qlen - window + 1) // block_size
+        k = np.arange(first_block * block_size, ctx)[None, :]
+        q = np.arange(ctx - qlen, ctx)[:, None]
+        windowed.append((first_block, to((k <= q) & (q - k < window), torch.bool)))
+    return WindowMetadata(
+        decode_tables=to(tables, torch.int32),
+        decode_lens=to(lens, torch.int32),
+        decode_skip=to(skip, torch.int32) if skip.any() else None,
+        decode_pad=to(pad, torch.bool),
+        prefills=windowed,
     )
 
 
@@ -164,28 +236,40 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     ext=None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out.
 
     `ext`: the compiled CPU ops (`cpu_ext.load()`), which then serve the decodes (reading
-    an int8 cache in place too).
+    an int8 cache in place too). `window`: a sliding window of that many keys (0: none),
+    whose `WindowMetadata` `md` holds.
     """
     if md.all_decode:
-        return _decode_attention(q, k_cache, v_cache, md, scale, ext)
+        return _decode_attention(q, k_cache, v_cache, md, scale, ext, window)
     out = torch.empty_like(q)
     if md.decode_seqs.numel():
         dec = q.index_select(0, md.decode_tokens)
-        dec = _decode_attention(dec, k_cache, v_cache, md, scale, ext)
+        dec = _decode_attention(dec, k_cache, v_cache, md, scale, ext, window)
         out.index_copy_(0, md.decode_tokens, dec)
     bs = k_cache.shape[1]
-    for (seq, start, qlen, ctx), mask in zip(md.prefills, md.prefill_masks, strict=True):
-        blocks = md.block_tables[seq, : -(-ctx // bs)]
+    windowed = _window(md, window).prefills if window else None
+    for i, (seq, start, qlen, ctx) in enumerate(md.prefills):
+        first, mask = windowed[i] if windowed is not None else (0, md.prefill_masks[i])
+        blocks = md.block_tables[seq, first : -(-ctx // bs)]
+        keys = ctx - first * bs
         # index_select, not `k_cache[blocks]`: PyTorch's CPU advanced indexing of a large
         # cache took ~3 ms a call (~500x), a third of a prefill step's time.
-        k = _read_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx], q.dtype)
-        v = _read_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx], q.dtype)
+        k = _read_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:keys], q.dtype)
+        v = _read_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:keys], q.dtype)
         out[start : start + qlen] = _prefill_attention(q[start : start + qlen], k, v, mask, scale)
     return out
+
+
+def _window(md: AttentionMetadata, window: int) -> WindowMetadata:
+    wmd = md.windows.get(window)
+    if wmd is None:
+        raise ValueError(f"attention metadata without window {window}: build_metadata(windows=)")
+    return wmd
 
 
 def _decode_attention(
@@ -195,10 +279,16 @@ def _decode_attention(
     md: AttentionMetadata,
     scale: float,
     ext,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence. The compiled CPU kernel reads the blocks in place."""
     if ext is None:
-        return decode_attention_torch(q, k_cache, v_cache, md, scale)
+        return decode_attention_torch(q, k_cache, v_cache, md, scale, window)
+    if window:
+        w = _window(md, window)
+        return ext.paged_decode(
+            q, k_cache, v_cache, w.decode_tables, w.decode_lens, scale, False, w.decode_skip
+        )
     tables, lens = md.block_tables, md.context_lens
     if not md.all_decode:
         tables, lens = tables.index_select(0, md.decode_seqs), lens.index_select(0, md.decode_seqs)
@@ -211,14 +301,20 @@ def decode_attention_torch(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence: one gather, two batched matmuls, padded keys masked."""
+    """One query token per sequence: one gather, two batched matmuls, padded keys masked
+    (and, with a `window`, the keys before it)."""
     n, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
-    tables = md.block_tables[:, : md.decode_max_blocks]
-    if not md.all_decode:
-        tables = tables.index_select(0, md.decode_seqs)
+    if window:
+        w = _window(md, window)
+        tables, pad = w.decode_tables, w.decode_pad
+    else:
+        tables, pad = md.block_tables[:, : md.decode_max_blocks], md.decode_pad
+        if not md.all_decode:
+            tables = tables.index_select(0, md.decode_seqs)
     length = tables.shape[1] * bs
     # [n, L, kvh, d] -> [n, kvh, L, d]
     flat = tables.reshape(-1)  # index_select: see paged_attention
@@ -228,7 +324,7 @@ def decode_attention_torch(
     v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
     qg = q.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [n, kvh, g, L]
-    scores.masked_fill_(md.decode_pad[:, None, None, :], float("-inf"))
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(n, num_heads, head_dim)
 

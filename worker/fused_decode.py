@@ -20,8 +20,9 @@ class FusedDecode:
     subway_kernels/csrc/decode_layers_cpu.cpp): the same kernels, in the same order, as
     `DecoderLayer.forward`, so the same bits, without a few milliseconds of Python a step
     (docs/BENCHMARKS.md). It applies on one rank (no all-reduce between the kernels),
-    without Qwen3's q/k norms, where every layer's linears take the few-row kernel (steps
-    of up to `small_linear_rows` rows), or under `--quantization int8` where they all take
+    without Qwen3's q/k norms or sliding windows (it attends globally), where every
+    layer's linears take the few-row kernel (steps of up to `small_linear_rows` rows),
+    or under `--quantization int8` where they all take
     the AVX2 or the AMX int8 matmul (steps of any size: those take any row count). It
     holds the weight tensors the few-row kernel reads (`PackedLinear.small_read`), so a
     later move into huge pages (`rehome`, which swaps `.data`) is seen."""
@@ -58,6 +59,8 @@ class FusedDecode:
         layers = list(model.layers)
         if call is None or not layers or model.arch.qk_norm or model.arch.family == "gemma3":
             return None
+        if model.windows:
+            return None  # sliding windows: the compiled layers attend globally
         if any(type(layer.mlp) is not MLP for layer in layers):
             return None  # a mixture of experts: the compiled layers run one MLP
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]

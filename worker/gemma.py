@@ -14,9 +14,11 @@ What differs from Llama, as transformers' `Gemma3ForCausalLM` computes it:
 - layers are sliding ("sliding_attention": a window of `sliding_window` tokens, rope
   base `rope_local_theta`) or global ("full_attention": `rope_theta`, and its scaling).
 
-Sliding-window attention is not in the kernels yet: the runner keeps every sequence
-inside the window (`max_model_len` at most `sliding_window`), where a sliding layer's
-attention is a global one, so the output is exact, and longer contexts are refused.
+A sliding layer's attention sees the last `sliding_window` keys (`model.layer_windows`,
+`Attention.slide`; subway_kernels/attention.py) on the CPU path. Under the Triton kernels
+(CUDA), which have no windows yet, the runner keeps every sequence inside the window
+(`max_model_len` at most `sliding_window`), where a sliding layer's attention is a global
+one, so the output is exact there too, and longer contexts are refused.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,30 @@ if TYPE_CHECKING:
     from subway.worker.lora import LoraStep
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def layer_windows(arch: ModelArch, kernels: Kernels) -> list[int]:
+    """Each layer's sliding window (0: global attention): the `sliding_attention` layers of
+    `arch.layer_types` (model_arch.py `_window`: Gemma's, every layer of Mistral and
+    Mixtral, a Qwen config's own). All 0 under the Triton kernels, which have no windows:
+    there (and for a Qwen window without layer kinds) the runner keeps every sequence inside
+    the window (`max_model_len`), where a sliding layer's attention is the global one."""
+    w = arch.sliding_window or 0
+    if not w or kernels.name == "triton" or not arch.layer_types:
+        return [0] * arch.num_layers
+    return [w if t == "sliding_attention" else 0 for t in arch.layer_types]
+
+
+def max_model_len(arch: ModelArch, kernels: Kernels, limit: int) -> int:
+    """The runner's `max_model_len`: `limit` (`--max-model-len`, else the model's positions),
+    or the sliding window where the model has one that its layers do not run
+    (`layer_windows`: under the Triton kernels on CUDA, which have no windows, and Qwen2/3's
+    windows): every sequence stays inside the window, where a sliding layer's attention is
+    the global one, so the output is exact and longer contexts are refused. On the CPU (the
+    PyTorch references and the compiled decode kernels) the layers slide: no cap."""
+    if not arch.sliding_window or any(layer_windows(arch, kernels)):
+        return limit
+    return min(limit, arch.sliding_window)
 
 
 class Attention(nn.Module):
@@ -78,6 +103,12 @@ class Attention(nn.Module):
         norm = (arch.head_dim, arch.rms_norm_eps, kernels, dtype, device)
         self.q_norm = RMSNorm(*norm) if arch.qk_norm else None
         self.k_norm = RMSNorm(*norm) if arch.qk_norm else None
+        self.window = 0  # a sliding window of that many keys (`slide`); 0: global
+
+    def slide(self, window: int) -> None:
+        """Attend over the last `window` keys only (`paged_attention`'s `window`)."""
+        self.window = window
+        self._paged_attention = partial(self._paged_attention, window=window)
 
     def forward(
         self,
@@ -188,6 +219,11 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.make_layer(arch, i, tp, kernels, dtype, device) for i in range(arch.num_layers)
         )
+        windows = layer_windows(arch, kernels)
+        for layer, window in zip(self.layers, windows, strict=True):
+            if window:
+                layer.self_attn.slide(window)
+        self.windows = tuple(sorted(set(windows) - {0}))  # build_metadata's `windows`
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels, dtype, device)
         self.lm_head = (
             self.embed_tokens

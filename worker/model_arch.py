@@ -28,8 +28,9 @@ MODEL_TYPES = {
 }  # fmt: skip
 # Vision-language checkpoints whose text model Subway runs -> that text model's architecture.
 MULTIMODAL = {("Gemma3ForConditionalGeneration",): "Gemma3ForCausalLM"}
-# Config fields of an architecture's family that change the model and that Subway does not
-# implement: a model that sets one is refused at start, never run wrong.
+# Config fields that change the model and that Subway does not implement (but for the
+# families in IMPLEMENTED): a model that sets one is refused at start, never run wrong.
+IMPLEMENTED = {"gemma2": ("attn_logit_softcapping", "final_logit_softcapping")}
 UNSUPPORTED_FIELDS = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
@@ -39,12 +40,13 @@ UNSUPPORTED_FIELDS = (
 # Mixture-of-experts families (`worker/moe.py`) -> the dense family whose attention they share.
 MOE_FAMILIES = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama", "olmoe": "llama"}
 
+LAYER_KINDS = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class ModelArch:
-    family: str  # "llama", "qwen2", "qwen3", "gemma3" or one of MOE_FAMILIES
+    family: str  # "llama", "qwen2", "qwen3", "gemma2", "gemma3" or one of MOE_FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,6 +82,9 @@ class ModelArch:
     moe_layers: list[bool] = field(default_factory=list)
     shared_expert_size: int = 0
     qk_norm_full: bool = False  # OLMoE: q and k normed over all heads at once, not per head
+    # Gemma 2: scores and logits soft-capped, cap * tanh(x / cap) (0: not capped).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
 
 def load_model_arch(path: str) -> ModelArch:
@@ -106,23 +111,20 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
             "give it the unquantized folder, with --quantization int8 to quantize at load"
         )
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in (("gelu_pytorch_tanh",) if family == "gemma3" else ("silu",)):
+    gemma = family in ("gemma2", "gemma3")
+    if act not in (("gelu_pytorch_tanh",) if gemma else ("silu",)):
         raise ValueError(f"unsupported hidden activation {act!r} for {family}")
     for name in UNSUPPORTED_FIELDS:
-        if cfg.get(name):
+        if cfg.get(name) and name not in IMPLEMENTED.get(family, ()):
             raise ValueError(f"unsupported config field {name}={cfg[name]!r}: not implemented")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope(cfg)
     local_theta, layer_types = None, []
-    if family == "gemma3":
-        theta, scaling, local_theta, layer_types = _gemma3_layers(cfg)
+    if gemma:
+        theta, scaling, local_theta, layer_types = _gemma_layers(cfg, family)
     attention_bias = bool(cfg.get("attention_bias", False))
-    window = None
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", dense == "llama"):
-        window = int(cfg["sliding_window"])
-    if family == "gemma3" and "sliding_attention" in layer_types:
-        window = int(cfg.get("sliding_window") or 4096)
+    window, layer_types = _window(cfg, family, layer_types)
     eos = _as_list(cfg.get("eos_token_id"))
     for t in generation_eos or []:
         if t not in eos:
@@ -151,11 +153,11 @@ def parse_model_arch(cfg: dict, generation_eos: list[int] | None = None) -> Mode
         sliding_window=window,
         eos_token_ids=eos,
         hidden_act=act,
-        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
-        if family == "gemma3"
-        else None,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         layer_types=layer_types,
         rope_local_theta=local_theta,
+        attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         **(_moe(cfg, family) if family in MOE_FAMILIES else {}),
     )
 
@@ -207,17 +209,21 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     return theta, params
 
 
-def _gemma3_layers(cfg: dict) -> tuple[float, dict | None, float, list[str]]:
-    """Gemma 3's global rope (base, scaling), its sliding layers' rope base, and each
+def _gemma_layers(cfg: dict, family: str) -> tuple[float, dict | None, float, list[str]]:
+    """Gemma's global rope (base, scaling), its sliding layers' rope base, and each
     layer's kind, from transformers-5 `rope_parameters` per layer kind or the older
-    `rope_theta`, `rope_scaling`, `rope_local_base_freq` and `sliding_window_pattern`."""
+    `rope_theta`, `rope_scaling`, `rope_local_base_freq` and `sliding_window_pattern`
+    (Gemma 2: every other layer slides, one rope for both kinds)."""
     n = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
     if not kinds:
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        default = 2 if family == "gemma2" else 6
+        pattern = int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or default
+        )
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(n)]  # fmt: skip
-    if len(kinds) != n or set(kinds) - {"full_attention", "sliding_attention"}:
+    if len(kinds) != n or set(kinds) - set(LAYER_KINDS):
         raise ValueError(f"unsupported layer_types {kinds!r}")
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:  # per layer kind
@@ -228,7 +234,35 @@ def _gemma3_layers(cfg: dict) -> tuple[float, dict | None, float, list[str]]:
             raise ValueError("unsupported rope scaling on sliding layers")
         return theta, scaling, local_theta, list(kinds)
     theta, scaling = _rope(cfg)
+    if family == "gemma2":
+        return theta, scaling, theta, list(kinds)
     return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0)), list(kinds)
+
+
+def _window(cfg: dict, family: str, layer_types: list[str]) -> tuple[int | None, list[str]]:
+    """The sliding window and each layer's kind, as transformers reads them: Gemma's
+    `sliding_attention` layers; every layer of Mistral and Mixtral (`sliding_window` set);
+    a config's own `layer_types` (Qwen2 and Qwen3 write theirs). Qwen's `use_sliding_window`
+    without `layer_types` keeps the window with no layer kinds: the runner then keeps every
+    sequence inside it (`model.max_model_len`). Llama's own model ignores `sliding_window`."""
+    size = cfg.get("sliding_window")
+    if family in ("gemma2", "gemma3"):
+        return (int(size or 4096) if "sliding_attention" in layer_types else None), layer_types
+    if not size or not cfg.get("use_sliding_window", True):
+        return None, []
+    kinds = cfg.get("layer_types")
+    if kinds:
+        if len(kinds) != cfg["num_hidden_layers"] or set(kinds) - set(LAYER_KINDS):
+            raise ValueError(f"unsupported layer_types {kinds!r}")
+        return (int(size), list(kinds)) if LAYER_KINDS[1] in kinds else (None, [])
+    archs = set(cfg.get("architectures") or ())
+    if archs & {"MistralForCausalLM", "MixtralForCausalLM"} or (
+        not archs and cfg.get("model_type") in ("mistral", "mixtral")
+    ):
+        return int(size), [LAYER_KINDS[1]] * cfg["num_hidden_layers"]
+    if family in ("llama", "olmoe"):
+        return None, []
+    return int(size), []  # Qwen: use_sliding_window from max_window_layers on
 
 
 def _moe(cfg: dict, family: str) -> dict:

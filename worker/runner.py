@@ -28,7 +28,7 @@ from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budge
 from subway.worker.layers import widen_bf16
 from subway.worker.loader import load_weights
 from subway.worker.lora import check_loras, lora_manager, prepare_loras
-from subway.worker.model import CausalLM
+from subway.worker.model import CausalLM, max_model_len
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.pooling import PoolingTracker
@@ -107,12 +107,13 @@ class ModelRunner:
         self.device = resolve_device(config.model.device, rank)
         self.dtype = resolve_dtype(config.model.dtype, arch.dtype, self.device)
         self.block_size = config.cache.block_size
-        # No sliding-window attention in the kernels yet: stay inside the window.
+        kernels = choose_kernels(config.model.kernels, config.model.cpu_ext, self.device)
         limit = config.model.max_model_len or arch.max_position_embeddings
-        self.max_model_len = min(limit, arch.sliding_window or limit)
+        # Sliding windows run on the CPU; under Triton (CUDA), which has none, every sequence
+        # stays inside the model's window (`model.max_model_len`).
+        self.max_model_len = max_model_len(arch, kernels, limit)
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = list(arch.eos_token_ids)
-        kernels = choose_kernels(config.model.kernels, config.model.cpu_ext, self.device)
         model = (arch, self.tp, self.dtype, self.device, self.max_model_len, kernels)
         self.model = build_model(*model)
         load_weights(self.model, self.path)
@@ -179,7 +180,9 @@ class ModelRunner:
         qlens, ctx = np.array([n]), np.array([n])
         table = np.arange(blocks, dtype=np.int32)[None, :]
         positions, slots = positions_and_slots(qlens, ctx, table, self.block_size)
-        md = build_metadata(qlens, ctx, table, slots, self.block_size, self.device)
+        md = build_metadata(
+            qlens, ctx, table, slots, self.block_size, self.device, self.model.windows
+        )
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         # Logits of every position: what prompt logprobs (echo + logprobs) can ask in one step.
@@ -331,7 +334,9 @@ class ModelRunner:
             return graphs.run(batch.input_ids, batch.positions, batch.slots, ctx, tables), None
         dev = self.device
         plp_idx, plp_slices = batch.plp_idx, batch.plp_slices
-        md = build_metadata(qlens, ctx, tables, batch.slots, self.block_size, dev)
+        md = build_metadata(
+            qlens, ctx, tables, batch.slots, self.block_size, dev, self.model.windows
+        )
         sample_idx = np.cumsum(qlens)[batch.sampled_rows] - 1
         num_rows = len(sample_idx)
         if batch.extra_rows:

@@ -71,7 +71,7 @@ def input_ranges(model: nn.Module, ids: list[int], block_size: int) -> dict[obje
         )  # fmt: skip
         lens, table = np.array([n]), np.arange(blocks, dtype=np.int32)[None, :]
         positions, slots = positions_and_slots(lens, lens, table, block_size)
-        md = build_metadata(lens, lens, table, slots, block_size, device)
+        md = build_metadata(lens, lens, table, slots, block_size, device, model.windows)
         hidden = model(
             torch.tensor(ids, device=device),
             torch.from_numpy(positions).to(device),

@@ -6,6 +6,9 @@
 //              an int8 cache goes to paged_decode_int8_cpu.cpp
 // block_tables [n, max_blocks] int32
 // context_lens [n] int32
+// skip         [n] int32 or None (sliding windows): a sequence's first keys that lie before its
+//              window, fewer than its context; they weigh 0 in every path below (each
+//              path's softmax runs from the first key in the window, `softmax_from`)
 // returns      [n, num_heads, head_dim], q's dtype
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,7 +40,8 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
-                          const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                          const int32_t* ctx, const int32_t* skip,
+                          T* out, int64_t n, int64_t H, int64_t KVH,
                           int64_t D, int64_t BS, int64_t max_blocks, float scale) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // stride between consecutive tokens of one block
@@ -45,7 +49,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
     std::vector<float> qf(G * D), acc(G * D), row_f(D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t s = idx / KVH, h = idx % KVH;
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -62,7 +66,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
           scores[g * L + t] = dot;
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
+      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softmax);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         load_row(vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D, row_f.data(), D);
@@ -195,7 +199,8 @@ static inline void block_values_heads(const T* vb, int64_t row, int64_t nt, cons
 
 template <typename T, int NC>
 static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int32_t* tables,
-                                 const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                                 const int32_t* ctx, const int32_t* skip,
+                                 T* out, int64_t n, int64_t H, int64_t KVH,
                                  int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
   constexpr bool direct = kDirectScores<T, NC>;
@@ -220,7 +225,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < items; ++k) {
       const int64_t s = order[k / split], h0 = (k % split) * hp;
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       const T* qs = q + (s * H + h0 * G) * D;  // this item's hp * G query heads, in order
       const __m512 vscale = _mm512_set1_ps(scale);
@@ -253,7 +258,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
             }
         }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax16(scores.data() + i * L, L);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax16);
       // Weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
@@ -367,7 +372,8 @@ static inline void key_scores8(const T* kr0, int64_t row, int64_t m, const float
 // to the bit; only the work is split another way.
 template <typename T, int NC>
 static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t* tables,
-                            const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                            const int32_t* ctx, const int32_t* skip,
+                            T* out, int64_t n, int64_t H, int64_t KVH,
                             int64_t BS, int64_t max_blocks, float scale, int64_t threads) {
   constexpr int64_t D = NC * 8;
   const int64_t G = H / KVH;
@@ -382,7 +388,7 @@ static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t*
     std::vector<__m256> part(G * 8);
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t s = 0; s < n; ++s) {
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       const T* qs = q + s * H * D;
       for (int64_t i = 0; i < H; ++i)
@@ -405,7 +411,8 @@ static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t*
         }
       }
 #pragma omp barrier
-      for (int64_t i = H * tid / nth; i < H * (tid + 1) / nth; ++i) softmax8(scores.data() + i * L, L);
+      for (int64_t i = H * tid / nth; i < H * (tid + 1) / nth; ++i)
+        softmax_from(scores.data() + i * L, L, S, softmax8);
 #pragma omp barrier
       // Values: this thread's run of (query head, chunk) accumulators, over every key.
       const int64_t c0 = H * NC * tid / nth, c1 = H * NC * (tid + 1) / nth;
@@ -443,7 +450,8 @@ static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t*
 // each value's scale its weights (as the AVX-512 int8 kernel does).
 template <typename T, int NC, typename C = T>
 static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32_t* tables,
-                               const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                               const int32_t* ctx, const int32_t* skip,
+                               T* out, int64_t n, int64_t H, int64_t KVH,
                                int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 8;
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
@@ -453,7 +461,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if constexpr (!kInt8) {
     if (threads > 1 && n * KVH < 2 * threads && KVH % threads != 0)
-      return decode_few_avx2<T, NC>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks,
+      return decode_few_avx2<T, NC>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks,
                                     scale, threads);
   }
   const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
@@ -489,7 +497,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < items; ++k) {
       const int64_t s = order[k / split], h0 = (k % split) * hp;
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       const T* qs = q + (s * H + h0 * G) * D;
       const __m256 vscale = _mm256_set1_ps(scale);
@@ -531,7 +539,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
             }
         }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax8(scores.data() + i * L, L);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax8);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
@@ -566,27 +574,29 @@ static constexpr bool kHaveAvx2 = true;
 // suits it (head_dim 16, 32, 64, 128 or 256); false where it does not, for the generic kernel.
 template <typename T>
 bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
-                      const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                      const int32_t* ctx, const int32_t* skip,
+                      T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
                       int64_t BS, int64_t max_blocks, float scale) {
   switch (D) {
-    case 16: decode_kernel_avx2<T, 2, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 256: decode_kernel_avx2<T, 32, int8_t>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 16: decode_kernel_avx2<T, 2, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 256: decode_kernel_avx2<T, 32, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
     default: return false;
   }
 }
 template bool decode_int8_avx2<float>(const float*, const int8_t*, const int8_t*, const int32_t*,
-                                      const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                                      int64_t, int64_t, float);
+                                      const int32_t*, const int32_t*, float*, int64_t, int64_t,
+                                      int64_t, int64_t, int64_t, int64_t, float);
 template bool decode_int8_avx2<c10::BFloat16>(const c10::BFloat16*, const int8_t*, const int8_t*,
-                                              const int32_t*, const int32_t*, c10::BFloat16*,
-                                              int64_t, int64_t, int64_t, int64_t, int64_t,
-                                              int64_t, float);
+                                              const int32_t*, const int32_t*, const int32_t*,
+                                              c10::BFloat16*, int64_t, int64_t, int64_t, int64_t,
+                                              int64_t, int64_t, float);
 template bool decode_int8_avx2<c10::Half>(const c10::Half*, const int8_t*, const int8_t*,
-                                          const int32_t*, const int32_t*, c10::Half*, int64_t,
-                                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
+                                          const int32_t*, const int32_t*, const int32_t*,
+                                          c10::Half*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                          int64_t, float);
 #else
 static constexpr bool kHaveAvx2 = false;
 #endif
@@ -594,16 +604,17 @@ static constexpr bool kHaveAvx2 = false;
 // The fast kernel where the machine and the head size allow, else the generic one.
 template <typename T>
 static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables,
-                     const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                     const int32_t* ctx, const int32_t* skip,
+                     T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
                      int64_t BS, int64_t max_blocks, float scale, bool generic) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_kernel_avx512<T, 1>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_kernel_avx512<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_kernel_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_kernel_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
@@ -611,26 +622,29 @@ static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_kernel_avx2<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_kernel_avx2<T, 32>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_kernel_avx2<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_kernel_avx2<T, 32>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
 #endif
-  decode_kernel<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale);
+  decode_kernel<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale);
 }
 
 // paged_decode_int8_cpu.cpp: the same over an 8-bit cache (`--kv-cache-dtype int8`).
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
-                                double scale, bool generic);
+                                const int32_t* skip, double scale, bool generic);
 
+// `skip` (sliding windows; None: none): per sequence, its first keys that lie before its
+// window (fewer than its context), which take no part in the softmax; the caller has
+// shifted the block table past the blocks wholly before it (attention.py, WindowMetadata).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
-                           double scale, bool generic) {
+                           double scale, bool generic, c10::optional<torch::Tensor> skip) {
   // What every cache layout needs; the layout's own checks follow in its kernel's entry.
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
@@ -640,18 +654,30 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
+  const int64_t n = q.size(0);
+  torch::Tensor skip_t;
+  const int32_t* skip_p = nullptr;
+  if (skip.has_value()) {
+    skip_t = skip->contiguous();
+    TORCH_CHECK(skip_t.scalar_type() == torch::kInt32 && skip_t.numel() == n &&
+                    context_lens.numel() >= n, "paged_decode: skip is int32, one per sequence");
+    skip_p = skip_t.data_ptr<int32_t>();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    for (int64_t s = 0; s < n; ++s)
+      TORCH_CHECK(skip_p[s] >= 0 && skip_p[s] < lens[s], "paged_decode: skip outside [0, context)");
+  }
   if (k_cache.scalar_type() == torch::kInt8)
-    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, scale, generic);
+    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, skip_p, scale, generic);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode: head shapes do not match");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     dispatch<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                        v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                       context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), n, H, KVH, D,
-                       BS, block_tables.size(1), static_cast<float>(scale), generic);
+                       context_lens.data_ptr<int32_t>(), skip_p, out.data_ptr<scalar_t>(), n, H,
+                       KVH, D, BS, block_tables.size(1), static_cast<float>(scale), generic);
   });
   return out;
 }
@@ -696,7 +722,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "model's Python loop (CPU)");
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("generic") = false);
+        py::arg("scale"), py::arg("generic") = false, py::arg("skip") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding the residual (CPU)");
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,

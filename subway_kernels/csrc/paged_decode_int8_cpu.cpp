@@ -8,6 +8,9 @@
 //              (native byte order; subway_kernels/attention.py quantize_kv writes the same)
 // block_tables [n, max_blocks] int32
 // context_lens [n] int32
+// skip         [n] int32 or None (sliding windows): a sequence's first keys that lie before its
+//              window, fewer than its context; they weigh 0 in every path below (each
+//              path's softmax runs from the first key in the window, `softmax_from`)
 // returns      [n, num_heads, head_dim], q's dtype
 #include <ATen/ATen.h>
 #include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
@@ -29,7 +32,8 @@ static inline float row_scale(const int8_t* row, int64_t D) {
 // The generic kernel, any head size and any machine: one work item per (sequence, KV head).
 template <typename T>
 static void decode_int8_generic(const T* q, const int8_t* kc, const int8_t* vc,
-                                const int32_t* tables, const int32_t* ctx, T* out, int64_t n,
+                                const int32_t* tables, const int32_t* ctx, const int32_t* skip,
+                                T* out, int64_t n,
                                 int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                 int64_t max_blocks, float scale) {
   const int64_t G = H / KVH, W = D + kScaleBytes;
@@ -38,7 +42,7 @@ static void decode_int8_generic(const T* q, const int8_t* kc, const int8_t* vc,
     std::vector<float> qf(G * D), acc(G * D), row_f(D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t s = idx / KVH, h = idx % KVH;
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -56,7 +60,7 @@ static void decode_int8_generic(const T* q, const int8_t* kc, const int8_t* vc,
           scores[g * L + t] = dot * ks;
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
+      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softmax);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int8_t* v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * W;
@@ -136,7 +140,8 @@ static inline void block_values_heads(const int8_t* vb, int64_t row, int64_t nt,
 
 template <typename T, int NC>
 static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
-                               const int32_t* tables, const int32_t* ctx, T* out, int64_t n,
+                               const int32_t* tables, const int32_t* ctx, const int32_t* skip,
+                               T* out, int64_t n,
                                int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks,
                                float scale) {
   constexpr int64_t D = NC * 16, W = D + kScaleBytes;
@@ -158,7 +163,7 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < items; ++k) {
       const int64_t s = order[k / split], h0 = (k % split) * hp;
-      const int64_t L = ctx[s];
+      const int64_t L = ctx[s], S = skip ? skip[s] : 0;  // S: keys before the window
       const int32_t* table = tables + s * max_blocks;
       const T* qs = q + (s * H + h0 * G) * D;
       const __m512 vscale = _mm512_set1_ps(scale);
@@ -194,7 +199,7 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
             }
           }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax16(scores.data() + i * L, L);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax16);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
@@ -217,23 +222,25 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
 // paged_decode_cpu.cpp: its AVX2 kernel, reading the int8 rows into its float tile.
 template <typename T>
 bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
-                      const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                      const int32_t* ctx, const int32_t* skip,
+                      T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
                       int64_t BS, int64_t max_blocks, float scale);
 #define SUBWAY_INT8_AVX2 1
 #endif
 
 template <typename T>
 static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
-                          const int32_t* ctx, T* out, int64_t n, int64_t H, int64_t KVH,
+                          const int32_t* ctx, const int32_t* skip,
+                          T* out, int64_t n, int64_t H, int64_t KVH,
                           int64_t D, int64_t BS, int64_t max_blocks, float scale, bool generic) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_int8_avx512<T, 1>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_int8_avx512<T, 2>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_int8_avx512<T, 4>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_int8_avx512<T, 16>(q, kc, vc, tables, ctx, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_int8_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 32: return decode_int8_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 64: return decode_int8_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 256: return decode_int8_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
       default: break;
     }
   }
@@ -241,18 +248,18 @@ static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const 
 #if defined(SUBWAY_INT8_AVX2)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic &&
-        decode_int8_avx2<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale))
+        decode_int8_avx2<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale))
       return;
   }
 #endif
-  decode_int8_generic<T>(q, kc, vc, tables, ctx, out, n, H, KVH, D, BS, max_blocks, scale);
+  decode_int8_generic<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale);
 }
 
 // Called by paged_decode (paged_decode_cpu.cpp) for an int8 cache, after the checks every
 // layout shares (ranks, int32 tables, contiguous caches of one shape): the int8 ones here.
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
-                                double scale, bool generic) {
+                                const int32_t* skip, double scale, bool generic) {
   TORCH_CHECK(k_cache.scalar_type() == torch::kInt8 && v_cache.scalar_type() == torch::kInt8,
               "paged_decode: an 8-bit cache is int8, keys and values");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
@@ -263,7 +270,7 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_int8", [&] {
     dispatch_int8<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
                             v_cache.data_ptr<int8_t>(), block_tables.data_ptr<int32_t>(),
-                            context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), n, H,
+                            context_lens.data_ptr<int32_t>(), skip, out.data_ptr<scalar_t>(), n, H,
                             KVH, D, BS, block_tables.size(1), static_cast<float>(scale), generic);
   });
   return out;

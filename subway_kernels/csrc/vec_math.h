@@ -40,6 +40,15 @@ static inline void softmax(float* sc, int64_t L) {
   for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
 }
 
+// A row of a sliding-window decode (paged_decode's `skip`): its first `skip` keys lie
+// before the window and weigh 0; the softmax (`sm`: softmax, softmax16 or softmax8) runs
+// over the rest, from the first key in the window (skip < L: the query's own key is in it).
+template <typename Softmax>
+static inline void softmax_from(float* sc, int64_t L, int64_t skip, Softmax sm) {
+  for (int64_t t = 0; t < skip; ++t) sc[t] = 0.f;
+  sm(sc + skip, L - skip);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
