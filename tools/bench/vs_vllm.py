@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
         "--interleave", action="store_true",
         help="both servers up at once, each setting on one then the other (ABBA per setting)",
     )  # fmt: skip
+    p.add_argument(
+        "--model", default="",
+        help="an HF folder both serve (default: the default model), e.g. bench_moe's",
+    )  # fmt: skip
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -355,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from subway.worker.default_model import ensure_default_model
 
-    model = ensure_default_model()
+    model = a.model or ensure_default_model()
+    if a.model:
+        a.subway_args = f"--model {shlex.quote(a.model)} {a.subway_args}"
     reqs = workload.generate(workload.load_tokenizer(model), a.num_requests, a.seed)
     plan = settings([int(c) for c in a.concurrencies.split(",")], a.single_stream)
     names = [n for n, _, _ in plan]
