@@ -24,6 +24,12 @@ context length counts from there, and `skip` is how many keys of that block lie
 before the window; a prefill chunk reads from the first block any of its queries
 needs, under a causal and windowed mask. Layers without a window read the plain
 fields, as before. (Blocks before a window stay allocated: only attention slides.)
+
+Soft-capping (`softcap=C` to `paged_attention`, Gemma 2's `attn_logit_softcapping`; 0:
+none): the scaled scores become C * tanh(score / C) before the mask and the softmax, as
+transformers' eager attention computes them. The decodes are capped by the reference and
+by the compiled kernels (their `softcap`); a prefill chunk, which PyTorch's SDPA cannot
+cap, is then computed explicitly (`_capped_attention`), and by SDPA as before without one.
 """
 
 from __future__ import annotations
@@ -237,19 +243,20 @@ def paged_attention(
     scale: float,
     ext=None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of `q [num_tokens, num_heads, head_dim]` over the paged caches; same shape out.
 
     `ext`: the compiled CPU ops (`cpu_ext.load()`), which then serve the decodes (reading
     an int8 cache in place too). `window`: a sliding window of that many keys (0: none),
-    whose `WindowMetadata` `md` holds.
+    whose `WindowMetadata` `md` holds. `softcap`: the scores soft-capped (0: not; module doc).
     """
     if md.all_decode:
-        return _decode_attention(q, k_cache, v_cache, md, scale, ext, window)
+        return _decode_attention(q, k_cache, v_cache, md, scale, ext, window, softcap)
     out = torch.empty_like(q)
     if md.decode_seqs.numel():
         dec = q.index_select(0, md.decode_tokens)
-        dec = _decode_attention(dec, k_cache, v_cache, md, scale, ext, window)
+        dec = _decode_attention(dec, k_cache, v_cache, md, scale, ext, window, softcap)
         out.index_copy_(0, md.decode_tokens, dec)
     bs = k_cache.shape[1]
     windowed = _window(md, window).prefills if window else None
@@ -261,7 +268,11 @@ def paged_attention(
         # cache took ~3 ms a call (~500x), a third of a prefill step's time.
         k = _read_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:keys], q.dtype)
         v = _read_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:keys], q.dtype)
-        out[start : start + qlen] = _prefill_attention(q[start : start + qlen], k, v, mask, scale)
+        chunk = q[start : start + qlen]
+        if softcap:
+            out[start : start + qlen] = _capped_attention(chunk, k, v, mask, scale, softcap)
+        else:
+            out[start : start + qlen] = _prefill_attention(chunk, k, v, mask, scale)
     return out
 
 
@@ -280,19 +291,21 @@ def _decode_attention(
     scale: float,
     ext,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence. The compiled CPU kernel reads the blocks in place."""
     if ext is None:
-        return decode_attention_torch(q, k_cache, v_cache, md, scale, window)
+        return decode_attention_torch(q, k_cache, v_cache, md, scale, window, softcap)
     if window:
         w = _window(md, window)
         return ext.paged_decode(
-            q, k_cache, v_cache, w.decode_tables, w.decode_lens, scale, False, w.decode_skip
-        )
+            q, k_cache, v_cache, w.decode_tables, w.decode_lens, scale, False, w.decode_skip,
+            softcap,
+        )  # fmt: skip
     tables, lens = md.block_tables, md.context_lens
     if not md.all_decode:
         tables, lens = tables.index_select(0, md.decode_seqs), lens.index_select(0, md.decode_seqs)
-    return ext.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+    return ext.paged_decode(q, k_cache, v_cache, tables, lens, scale, False, None, softcap)
 
 
 def decode_attention_torch(
@@ -302,9 +315,10 @@ def decode_attention_torch(
     md: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence: one gather, two batched matmuls, padded keys masked
-    (and, with a `window`, the keys before it)."""
+    (and, with a `window`, the keys before it); `softcap`: the scores capped first."""
     n, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
@@ -324,6 +338,8 @@ def decode_attention_torch(
     v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
     qg = q.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [n, kvh, g, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(n, num_heads, head_dim)
@@ -343,3 +359,36 @@ def _prefill_attention(
     return F.scaled_dot_product_attention(
         q_, k_, v_, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
     )[0].transpose(0, 1)
+
+
+CAPPED_TILE = 1 << 24  # the most scores (float32) that `_capped_attention` holds at once
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """`_prefill_attention` with soft-capped scores, computed explicitly in float32 (SDPA
+    has no cap) as transformers' eager attention: scores, scale, cap, the mask, softmax,
+    values; in tiles of queries that hold at most `CAPPED_TILE` scores."""
+    n, heads, d = q.shape
+    ctx, kv_heads = k.shape[:2]
+    group = heads // kv_heads
+    kt = k.float().permute(1, 2, 0).unsqueeze(1)  # [kvh, 1, d, ctx]
+    vt = v.float().transpose(0, 1).unsqueeze(1)  # [kvh, 1, ctx, d]
+    if mask is None:  # the chunk is the whole context: plain causal
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril_()
+    out = torch.empty_like(q)
+    rows = max(1, CAPPED_TILE // (heads * ctx))
+    for r in range(0, n, rows):
+        qt = q[r : r + rows].float().view(-1, kv_heads, group, d).permute(1, 2, 0, 3)
+        scores = torch.matmul(qt, kt) * scale  # [kvh, g, rows, ctx]
+        scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(~mask[r : r + rows], float("-inf"))
+        o = torch.matmul(scores.softmax(dim=-1), vt)  # [kvh, g, rows, d]
+        out[r : r + rows] = o.permute(2, 0, 1, 3).reshape(-1, heads, d).to(q.dtype)
+    return out

@@ -51,6 +51,8 @@ def _share_one_ssl_context() -> None:
 _share_one_ssl_context()
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+GEMMA2_WINDOW = 24  # build_tiny_model("gemma2"): its sliding window
+GEMMA2_CAPS = (2.0, 3.0)  # and its attention and final logit soft-caps
 
 
 def _uses_the_serving_harness(module) -> bool:
@@ -145,6 +147,7 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         Qwen2Config,
@@ -176,6 +179,13 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
                                   sliding_window=256, layer_types=["sliding_attention"] * 3
                                   + ["full_attention"])  # fmt: skip
         config.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma2":  # sliding and global layers in turn, a window shorter than the
+        # tests' prompts, and caps small enough to bend this model's scores and logits
+        common["num_hidden_layers"] = 4
+        config = Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24,
+                              sliding_window=GEMMA2_WINDOW, attn_logit_softcapping=GEMMA2_CAPS[0],
+                              final_logit_softcapping=GEMMA2_CAPS[1])  # fmt: skip
+        config.architectures = ["Gemma2ForCausalLM"]
     elif arch == "gemma3_vl":  # the vision-language checkpoint: its text model is served
         from transformers import AutoModelForImageTextToText, Gemma3Config, SiglipVisionConfig
 
@@ -207,7 +217,7 @@ def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0)
         for name, p in model.named_parameters():
             if "norm" in name:
                 # so that a norm weight that is not loaded shows (Gemma's is 1 + weight)
-                p.normal_(0.0 if arch.startswith("gemma3") else 1.0, 0.1)
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.1)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
             else:

@@ -318,6 +318,8 @@ def test_model_arch_parsing():
 
 
 def test_gemma3_configs_old_and_new_and_what_is_refused():
+    """Gemma 3's configs, old and new; soft-capping is refused but for Gemma 2's
+    (tests/test_gemma2.py), with Gemma 2's defaults: layers alternating, one rope."""
     from subway.worker.model_arch import parse_model_arch
 
     base = dict(
@@ -340,3 +342,16 @@ def test_gemma3_configs_old_and_new_and_what_is_refused():
         with pytest.raises(ValueError, match=field.split("_")[0] if field != "hidden_activation"
                            else "activation"):  # fmt: skip
             parse_model_arch({**base, field: value})
+    gemma2 = {**base, "architectures": ["Gemma2ForCausalLM"], "rope_theta": 1e4,
+              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # fmt: skip
+    g2 = parse_model_arch(gemma2)
+    assert (g2.family, g2.attn_softcap, g2.final_softcap, g2.qk_norm) == ("gemma2", 50, 30, False)
+    assert g2.layer_types == ["sliding_attention", "full_attention"] * 3
+    assert g2.rope_local_theta == g2.rope_theta == 1e4 and g2.attn_scale == 16**-0.5
+    uncapped = parse_model_arch({**gemma2, "attn_logit_softcapping": None,
+                                 "final_logit_softcapping": None})  # fmt: skip
+    assert uncapped.attn_softcap == uncapped.final_softcap == 0.0
+    llama = dict(base, architectures=["LlamaForCausalLM"], hidden_activation="silu")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        with pytest.raises(ValueError, match=field):
+            parse_model_arch({**llama, field: 30.0})

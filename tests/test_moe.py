@@ -237,8 +237,9 @@ def test_served_moe_counts_its_experts_on_metrics(moe_models):
     """Every process: rank 0's counts reach /metrics through the scheduler; the greedy
     completion is transformers'."""
     import httpx
-    from serving import Server
     from transformers import AutoTokenizer
+
+    from serving import Server
 
     path = moe_models["qwen3_moe"]
     tok = AutoTokenizer.from_pretrained(path)

@@ -71,17 +71,25 @@ def _mqa_llama(root: str) -> str:
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "qwen2", "qwen3", "mqa", "gemma3", pytest.param("default", marks=pytest.mark.slow)],
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mqa",
+        "gemma3",
+        "gemma2",
+        pytest.param("default", marks=pytest.mark.slow),
+    ],
 )
 def test_two_ranks_match_transformers(tiny_models, default_model, tmp_path, arch):
     """`default` is SmolLM2-135M: 9 query heads in 3 KV groups, split unevenly (2 + 1)."""
     from test_model_equality import _random_prompts, hf_greedy
 
     paths = {**tiny_models, "default": default_model}
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         from conftest import build_tiny_model
 
-        paths["gemma3"] = build_tiny_model("gemma3", str(tmp_path / "gemma3"), default_model)
+        paths[arch] = build_tiny_model(arch, str(tmp_path / arch), default_model)
     path = _mqa_llama(str(tmp_path)) if arch == "mqa" else paths[arch]
     with open(os.path.join(path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

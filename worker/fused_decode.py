@@ -20,10 +20,10 @@ class FusedDecode:
     subway_kernels/csrc/decode_layers_cpu.cpp): the same kernels, in the same order, as
     `DecoderLayer.forward`, so the same bits, without a few milliseconds of Python a step
     (docs/BENCHMARKS.md). It applies on one rank (no all-reduce between the kernels),
-    without Qwen3's q/k norms or sliding windows (it attends globally), where every
-    layer's linears take the few-row kernel (steps of up to `small_linear_rows` rows),
-    or under `--quantization int8` where they all take
-    the AVX2 or the AMX int8 matmul (steps of any size: those take any row count). It
+    without Qwen3's q/k norms, Gemma's layers, soft-capped scores or sliding windows (it
+    attends globally), where every layer's linears take the few-row kernel (steps of up to
+    `small_linear_rows` rows), or under `--quantization int8` where they all take the AVX2
+    or the AMX int8 matmul (steps of any size: those take any row count). It
     holds the weight tensors the few-row kernel reads (`PackedLinear.small_read`), so a
     later move into huge pages (`rehome`, which swaps `.data`) is seen."""
 
@@ -57,8 +57,11 @@ class FusedDecode:
     def build(cls, model: CausalLM) -> FusedDecode | None:
         call = model.kernels.decode_layers
         layers = list(model.layers)
-        if call is None or not layers or model.arch.qk_norm or model.arch.family == "gemma3":
-            return None
+        arch = model.arch
+        if call is None or not layers or arch.qk_norm or arch.family in ("gemma2", "gemma3"):
+            return None  # the compiled layers are Llama's: no QK-norm, no Gemma layers
+        if arch.attn_softcap:
+            return None  # nor soft-capped scores
         if model.windows:
             return None  # sliding windows: the compiled layers attend globally
         if any(type(layer.mlp) is not MLP for layer in layers):

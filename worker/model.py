@@ -110,6 +110,11 @@ class Attention(nn.Module):
         self.window = window
         self._paged_attention = partial(self._paged_attention, window=window)
 
+    def cap_scores(self, softcap: float) -> None:
+        """Soft-cap the scores, softcap * tanh(score / softcap) (`paged_attention`'s
+        `softcap`: Gemma 2's attn_logit_softcapping; not under the Triton kernels)."""
+        self._paged_attention = partial(self._paged_attention, softcap=softcap)
+
     def forward(
         self,
         x: torch.Tensor,

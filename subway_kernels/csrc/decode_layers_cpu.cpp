@@ -21,7 +21,7 @@ torch::Tensor rope_write_kv(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                             torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           bool generic, c10::optional<torch::Tensor> skip);
+                           bool generic, c10::optional<torch::Tensor> skip, double softcap);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor silu_and_mul(torch::Tensor x);
 bool silu_and_mul_supported();
@@ -99,7 +99,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
         rope_write_kv(q, k, v, positions, cos_sin, k_caches[l], v_caches[l], slots);
     const torch::Tensor att =
         paged_decode(qr, k_caches[l], v_caches[l], block_tables, context_lens, scale, false,
-                     c10::nullopt);  // no sliding windows here: FusedDecode.build
+                     c10::nullopt, 0.0);  // no windows, no soft-capping: FusedDecode.build
     const torch::Tensor o = linear(att.view({n, qs}), l, 1, w[2]);
     auto r = rms_norm(o, residual, w[3], eps);
     residual = r[1];

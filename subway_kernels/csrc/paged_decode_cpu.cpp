@@ -9,6 +9,8 @@
 // skip         [n] int32 or None (sliding windows): a sequence's first keys that lie before its
 //              window, fewer than its context; they weigh 0 in every path below (each
 //              path's softmax runs from the first key in the window, `softmax_from`)
+// softcap      0, or a positive cap (Gemma 2): every path's scaled scores are soft-capped,
+//              softcap * tanh(score / softcap), before its softmax (`softmax_from` again)
 // returns      [n, num_heads, head_dim], q's dtype
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -42,7 +44,8 @@ template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables,
                           const int32_t* ctx, const int32_t* skip,
                           T* out, int64_t n, int64_t H, int64_t KVH,
-                          int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+                          int64_t D, int64_t BS, int64_t max_blocks, float scale,
+                          float softcap) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // stride between consecutive tokens of one block
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -66,7 +69,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
           scores[g * L + t] = dot;
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softmax);
+      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softcap, softmax);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         load_row(vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * D, row_f.data(), D);
@@ -201,7 +204,7 @@ template <typename T, int NC>
 static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int32_t* tables,
                                  const int32_t* ctx, const int32_t* skip,
                                  T* out, int64_t n, int64_t H, int64_t KVH,
-                                 int64_t BS, int64_t max_blocks, float scale) {
+                                 int64_t BS, int64_t max_blocks, float scale, float softcap) {
   constexpr int64_t D = NC * 16;
   constexpr bool direct = kDirectScores<T, NC>;
   const int64_t G = H / KVH;
@@ -258,7 +261,7 @@ static void decode_kernel_avx512(const T* q, const T* kc, const T* vc, const int
             }
         }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax16);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softcap, softmax16);
       // Weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
@@ -374,7 +377,8 @@ template <typename T, int NC>
 static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t* tables,
                             const int32_t* ctx, const int32_t* skip,
                             T* out, int64_t n, int64_t H, int64_t KVH,
-                            int64_t BS, int64_t max_blocks, float scale, int64_t threads) {
+                            int64_t BS, int64_t max_blocks, float scale, float softcap,
+                            int64_t threads) {
   constexpr int64_t D = NC * 8;
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;
@@ -412,7 +416,7 @@ static void decode_few_avx2(const T* q, const T* kc, const T* vc, const int32_t*
       }
 #pragma omp barrier
       for (int64_t i = H * tid / nth; i < H * (tid + 1) / nth; ++i)
-        softmax_from(scores.data() + i * L, L, S, softmax8);
+        softmax_from(scores.data() + i * L, L, S, softcap, softmax8);
 #pragma omp barrier
       // Values: this thread's run of (query head, chunk) accumulators, over every key.
       const int64_t c0 = H * NC * tid / nth, c1 = H * NC * (tid + 1) / nth;
@@ -452,7 +456,7 @@ template <typename T, int NC, typename C = T>
 static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32_t* tables,
                                const int32_t* ctx, const int32_t* skip,
                                T* out, int64_t n, int64_t H, int64_t KVH,
-                               int64_t BS, int64_t max_blocks, float scale) {
+                               int64_t BS, int64_t max_blocks, float scale, float softcap) {
   constexpr int64_t D = NC * 8;
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   constexpr int64_t W = kInt8 ? D + 4 : D;  // one head's row, in elements of C
@@ -462,7 +466,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
   if constexpr (!kInt8) {
     if (threads > 1 && n * KVH < 2 * threads && KVH % threads != 0)
       return decode_few_avx2<T, NC>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks,
-                                    scale, threads);
+                                    scale, softcap, threads);
   }
   const int64_t split = n >= 2 * threads ? 1 : KVH;  // items per sequence
   const int64_t hp = KVH / split;                     // KV heads per item
@@ -539,7 +543,7 @@ static void decode_kernel_avx2(const T* q, const C* kc, const C* vc, const int32
             }
         }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax8);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softcap, softmax8);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
@@ -576,27 +580,27 @@ template <typename T>
 bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
                       const int32_t* ctx, const int32_t* skip,
                       T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                      int64_t BS, int64_t max_blocks, float scale) {
+                      int64_t BS, int64_t max_blocks, float scale, float softcap) {
   switch (D) {
-    case 16: decode_kernel_avx2<T, 2, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
-    case 256: decode_kernel_avx2<T, 32, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale); return true;
+    case 16: decode_kernel_avx2<T, 2, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap); return true;
+    case 32: decode_kernel_avx2<T, 4, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap); return true;
+    case 64: decode_kernel_avx2<T, 8, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap); return true;
+    case 128: decode_kernel_avx2<T, 16, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap); return true;
+    case 256: decode_kernel_avx2<T, 32, int8_t>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap); return true;
     default: return false;
   }
 }
 template bool decode_int8_avx2<float>(const float*, const int8_t*, const int8_t*, const int32_t*,
                                       const int32_t*, const int32_t*, float*, int64_t, int64_t,
-                                      int64_t, int64_t, int64_t, int64_t, float);
+                                      int64_t, int64_t, int64_t, int64_t, float, float);
 template bool decode_int8_avx2<c10::BFloat16>(const c10::BFloat16*, const int8_t*, const int8_t*,
                                               const int32_t*, const int32_t*, const int32_t*,
                                               c10::BFloat16*, int64_t, int64_t, int64_t, int64_t,
-                                              int64_t, int64_t, float);
+                                              int64_t, int64_t, float, float);
 template bool decode_int8_avx2<c10::Half>(const c10::Half*, const int8_t*, const int8_t*,
                                           const int32_t*, const int32_t*, const int32_t*,
                                           c10::Half*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                          int64_t, float);
+                                          int64_t, float, float);
 #else
 static constexpr bool kHaveAvx2 = false;
 #endif
@@ -606,15 +610,15 @@ template <typename T>
 static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables,
                      const int32_t* ctx, const int32_t* skip,
                      T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                     int64_t BS, int64_t max_blocks, float scale, bool generic) {
+                     int64_t BS, int64_t max_blocks, float scale, float softcap, bool generic) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_kernel_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_kernel_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_kernel_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 32: return decode_kernel_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 64: return decode_kernel_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 128: return decode_kernel_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 256: return decode_kernel_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
       default: break;
     }
   }
@@ -622,29 +626,32 @@ static void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_kernel_avx2<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_kernel_avx2<T, 32>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_kernel_avx2<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 32: return decode_kernel_avx2<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 64: return decode_kernel_avx2<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 128: return decode_kernel_avx2<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 256: return decode_kernel_avx2<T, 32>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
       default: break;
     }
   }
 #endif
-  decode_kernel<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale);
+  decode_kernel<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale, softcap);
 }
 
 // paged_decode_int8_cpu.cpp: the same over an 8-bit cache (`--kv-cache-dtype int8`).
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
-                                const int32_t* skip, double scale, bool generic);
+                                const int32_t* skip, double scale, double softcap, bool generic);
 
 // `skip` (sliding windows; None: none): per sequence, its first keys that lie before its
 // window (fewer than its context), which take no part in the softmax; the caller has
 // shifted the block table past the blocks wholly before it (attention.py, WindowMetadata).
+// `softcap` (Gemma 2's attn_logit_softcapping; 0: none): the scaled scores are capped,
+// softcap * tanh(score / softcap), before the softmax (vec_math.h softmax_from).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
-                           double scale, bool generic, c10::optional<torch::Tensor> skip) {
+                           double scale, bool generic, c10::optional<torch::Tensor> skip,
+                           double softcap) {
   // What every cache layout needs; the layout's own checks follow in its kernel's entry.
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
@@ -654,6 +661,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
+  TORCH_CHECK(softcap >= 0.0, "paged_decode: softcap is 0 (none) or positive");
   const int64_t n = q.size(0);
   torch::Tensor skip_t;
   const int32_t* skip_p = nullptr;
@@ -667,7 +675,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       TORCH_CHECK(skip_p[s] >= 0 && skip_p[s] < lens[s], "paged_decode: skip outside [0, context)");
   }
   if (k_cache.scalar_type() == torch::kInt8)
-    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, skip_p, scale, generic);
+    return paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, skip_p, scale, softcap,
+                             generic);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
@@ -677,9 +686,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     dispatch<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                        v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                        context_lens.data_ptr<int32_t>(), skip_p, out.data_ptr<scalar_t>(), n, H,
-                       KVH, D, BS, block_tables.size(1), static_cast<float>(scale), generic);
+                       KVH, D, BS, block_tables.size(1), static_cast<float>(scale),
+                       static_cast<float>(softcap), generic);
   });
   return out;
+}
+
+// The decode kernels' soft-capping on its own, for tests of its tanh's accuracy.
+void softcap_rows(torch::Tensor x, double cap, bool scalar) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && cap > 0.0,
+              "softcap_rows: contiguous float32 values, cap > 0");
+  softcap_row(x.data_ptr<float>(), x.numel(), static_cast<float>(cap), scalar);
 }
 
 // ops_cpu.cpp
@@ -722,7 +739,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "model's Python loop (CPU)");
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("generic") = false, py::arg("skip") = py::none());
+        py::arg("scale"), py::arg("generic") = false, py::arg("skip") = py::none(),
+        py::arg("softcap") = 0.0);
+  m.def("softcap_rows", &softcap_rows,
+        "x = cap * tanh(x / cap) over float32 values, in place, as the decode kernels cap their "
+        "scores (vec_math.h softcap_row; `scalar`: its scalar tanh only): for tests");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding the residual (CPU)");
   m.def("rope_write_kv", &rope_write_kv, "Rotary q and k; k and v written to the caches (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask,

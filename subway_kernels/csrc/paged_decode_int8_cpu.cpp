@@ -11,6 +11,8 @@
 // skip         [n] int32 or None (sliding windows): a sequence's first keys that lie before its
 //              window, fewer than its context; they weigh 0 in every path below (each
 //              path's softmax runs from the first key in the window, `softmax_from`)
+// softcap      0, or a positive cap (Gemma 2): every path's scaled scores are soft-capped,
+//              softcap * tanh(score / softcap), before its softmax (`softmax_from` again)
 // returns      [n, num_heads, head_dim], q's dtype
 #include <ATen/ATen.h>
 #include <torch/types.h>  // not torch/extension.h: 2.5x faster to compile; bindings are in paged_decode_cpu.cpp
@@ -35,7 +37,7 @@ static void decode_int8_generic(const T* q, const int8_t* kc, const int8_t* vc,
                                 const int32_t* tables, const int32_t* ctx, const int32_t* skip,
                                 T* out, int64_t n,
                                 int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                int64_t max_blocks, float scale) {
+                                int64_t max_blocks, float scale, float softcap) {
   const int64_t G = H / KVH, W = D + kScaleBytes;
   const int64_t row = KVH * W;  // bytes between consecutive tokens of one block
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -60,7 +62,7 @@ static void decode_int8_generic(const T* q, const int8_t* kc, const int8_t* vc,
           scores[g * L + t] = dot * ks;
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softmax);
+      for (int64_t g = 0; g < G; ++g) softmax_from(scores.data() + g * L, L, S, softcap, softmax);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int8_t* v = vc + ((int64_t)table[t / BS] * BS + t % BS) * row + h * W;
@@ -143,7 +145,7 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
                                const int32_t* tables, const int32_t* ctx, const int32_t* skip,
                                T* out, int64_t n,
                                int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks,
-                               float scale) {
+                               float scale, float softcap) {
   constexpr int64_t D = NC * 16, W = D + kScaleBytes;
   const int64_t G = H / KVH, row = KVH * W;
   // Work items as in paged_decode_cpu.cpp: a sequence with all its KV heads (one contiguous
@@ -199,7 +201,7 @@ static void decode_int8_avx512(const T* q, const int8_t* kc, const int8_t* vc,
             }
           }
       }
-      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softmax16);
+      for (int64_t i = 0; i < hp * G; ++i) softmax_from(scores.data() + i * L, L, S, softcap, softmax16);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t nt = std::min(BS, L - t0);
@@ -224,7 +226,7 @@ template <typename T>
 bool decode_int8_avx2(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
                       const int32_t* ctx, const int32_t* skip,
                       T* out, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                      int64_t BS, int64_t max_blocks, float scale);
+                      int64_t BS, int64_t max_blocks, float scale, float softcap);
 #define SUBWAY_INT8_AVX2 1
 #endif
 
@@ -232,15 +234,16 @@ template <typename T>
 static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables,
                           const int32_t* ctx, const int32_t* skip,
                           T* out, int64_t n, int64_t H, int64_t KVH,
-                          int64_t D, int64_t BS, int64_t max_blocks, float scale, bool generic) {
+                          int64_t D, int64_t BS, int64_t max_blocks, float scale, float softcap,
+                          bool generic) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic) switch (D) {
-      case 16: return decode_int8_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 32: return decode_int8_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 64: return decode_int8_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
-      case 256: return decode_int8_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale);
+      case 16: return decode_int8_avx512<T, 1>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 32: return decode_int8_avx512<T, 2>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 64: return decode_int8_avx512<T, 4>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 128: return decode_int8_avx512<T, 8>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
+      case 256: return decode_int8_avx512<T, 16>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, BS, max_blocks, scale, softcap);
       default: break;
     }
   }
@@ -248,18 +251,18 @@ static void dispatch_int8(const T* q, const int8_t* kc, const int8_t* vc, const 
 #if defined(SUBWAY_INT8_AVX2)
   if constexpr (!std::is_same_v<T, double>) {
     if (!generic &&
-        decode_int8_avx2<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale))
+        decode_int8_avx2<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale, softcap))
       return;
   }
 #endif
-  decode_int8_generic<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale);
+  decode_int8_generic<T>(q, kc, vc, tables, ctx, skip, out, n, H, KVH, D, BS, max_blocks, scale, softcap);
 }
 
 // Called by paged_decode (paged_decode_cpu.cpp) for an int8 cache, after the checks every
 // layout shares (ranks, int32 tables, contiguous caches of one shape): the int8 ones here.
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
-                                const int32_t* skip, double scale, bool generic) {
+                                const int32_t* skip, double scale, double softcap, bool generic) {
   TORCH_CHECK(k_cache.scalar_type() == torch::kInt8 && v_cache.scalar_type() == torch::kInt8,
               "paged_decode: an 8-bit cache is int8, keys and values");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
@@ -271,7 +274,8 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k_cache, torch::T
     dispatch_int8<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
                             v_cache.data_ptr<int8_t>(), block_tables.data_ptr<int32_t>(),
                             context_lens.data_ptr<int32_t>(), skip, out.data_ptr<scalar_t>(), n, H,
-                            KVH, D, BS, block_tables.size(1), static_cast<float>(scale), generic);
+                            KVH, D, BS, block_tables.size(1), static_cast<float>(scale),
+                            static_cast<float>(softcap), generic);
   });
   return out;
 }

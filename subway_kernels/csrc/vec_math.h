@@ -1,5 +1,5 @@
 // Small helpers the CPU kernels share: the softmax of decode attention (scalar, and on
-// AVX-512 or AVX2 vectors), the vector exp and bfloat16 widening.
+// AVX-512 or AVX2 vectors) and its soft-capping (tanh), the vector exp and bfloat16 widening.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -40,13 +40,26 @@ static inline void softmax(float* sc, int64_t L) {
   for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
 }
 
-// A row of a sliding-window decode (paged_decode's `skip`): its first `skip` keys lie
-// before the window and weigh 0; the softmax (`sm`: softmax, softmax16 or softmax8) runs
-// over the rest, from the first key in the window (skip < L: the query's own key is in it).
-template <typename Softmax>
-static inline void softmax_from(float* sc, int64_t L, int64_t skip, Softmax sm) {
-  for (int64_t t = 0; t < skip; ++t) sc[t] = 0.f;
-  sm(sc + skip, L - skip);
+// tanh for any x (Gemma 2's soft-capping, `softcap_row`), relative error ~3e-7: for
+// |x| < 0.25 its odd Taylor polynomial to x^9 (the next term is below 1e-8 of tanh there);
+// beyond, (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1] (exp_nonpos clamps at -87: 1
+// from |x| = 43.5 on), the sign put back. The vector versions (tanh16, tanh8) compute the
+// same two formulas and pick per lane.
+static constexpr float kTanhSmall = 0.25f;
+static inline float tanh_small(float x) {  // |x| < kTanhSmall
+  const float z = x * x;
+  float p = 62.f / 2835.f;
+  p = p * z - 17.f / 315.f;
+  p = p * z + 2.f / 15.f;
+  p = p * z - 1.f / 3.f;
+  return x + x * (z * p);
+}
+static inline float tanh_scalar(float x) {
+  const float a = x < 0.f ? -x : x;
+  if (a < kTanhSmall) return tanh_small(x);
+  const float e = exp_nonpos(-2.f * a);
+  const float r = (1.f - e) / (1.f + e);
+  return x < 0.f ? -r : r;
 }
 
 #if defined(__AVX512F__)
@@ -69,6 +82,24 @@ static inline __m512 exp16(__m512 x) {
   const __m512i bits =
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// tanh_scalar on 16 lanes: both formulas, each lane takes its own.
+static inline __m512 tanh16(__m512 x) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512 a = _mm512_andnot_ps(sign, x);  // |x|
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(62.f / 2835.f);
+  p = _mm512_sub_ps(_mm512_mul_ps(p, z), _mm512_set1_ps(17.f / 315.f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, z), _mm512_set1_ps(2.f / 15.f));
+  p = _mm512_sub_ps(_mm512_mul_ps(p, z), _mm512_set1_ps(1.f / 3.f));
+  const __m512 small = _mm512_add_ps(x, _mm512_mul_ps(x, _mm512_mul_ps(z, p)));
+  const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 r = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 big = _mm512_or_ps(r, _mm512_and_ps(sign, x));  // |x|'s sign back
+  const __mmask16 is_small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kTanhSmall), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(is_small, big, small);
 }
 
 // Lane j of the result is the sum of the 16 lanes of v[j]: four add levels of a transpose
@@ -142,6 +173,24 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// tanh16 on 8 lanes.
+static inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(62.f / 2835.f);
+  p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(17.f / 315.f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(2.f / 15.f));
+  p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.f / 3.f));
+  const __m256 small = _mm256_add_ps(x, _mm256_mul_ps(x, _mm256_mul_ps(z, p)));
+  const __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 r = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 big = _mm256_or_ps(r, _mm256_and_ps(sign, x));
+  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ);
+  return _mm256_blendv_ps(big, small, is_small);
+}
+
 static inline __m256 widen_bf16_8(const void* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -185,3 +234,37 @@ static inline void softmax8(float* sc, int64_t L) {
   for (int64_t i = t; i < L; ++i) sc[i] *= inv;
 }
 #endif
+
+// Soft-capping (Gemma 2's attn_logit_softcapping), in place over one row of scaled scores:
+// sc = cap * tanh(sc / cap), on vectors where the build has them (tanh16, tanh8), the
+// tail (AVX2) and everything else with tanh_scalar. `scalar`: tanh_scalar everywhere (tests).
+static inline void softcap_row(float* sc, int64_t L, float cap, bool scalar = false) {
+  int64_t t = 0;
+  if (!scalar) {
+#if defined(__AVX512F__)
+    const __m512 vc = _mm512_set1_ps(cap);
+    for (; t < L; t += 16) {
+      const __mmask16 k = L - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1u);
+      const __m512 x = _mm512_div_ps(_mm512_maskz_loadu_ps(k, sc + t), vc);
+      _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(tanh16(x), vc));
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m256 vc = _mm256_set1_ps(cap);
+    for (; t + 8 <= L; t += 8)
+      _mm256_storeu_ps(sc + t, _mm256_mul_ps(tanh8(_mm256_div_ps(_mm256_loadu_ps(sc + t), vc)), vc));
+#endif
+  }
+  for (; t < L; ++t) sc[t] = tanh_scalar(sc[t] / cap) * cap;
+}
+
+// A row of decode scores into weights. Sliding windows (paged_decode's `skip`): its first
+// `skip` keys lie before the window and weigh 0; the softmax (`sm`: softmax, softmax16 or
+// softmax8) runs over the rest, from the first key in the window (skip < L: the query's own
+// key is in it). `cap` > 0: those scores soft-capped first (`softcap_row`); 0: not (one
+// test a row, so uncapped models keep their speed).
+template <typename Softmax>
+static inline void softmax_from(float* sc, int64_t L, int64_t skip, float cap, Softmax sm) {
+  for (int64_t t = 0; t < skip; ++t) sc[t] = 0.f;
+  if (cap > 0.f) softcap_row(sc + skip, L - skip, cap);
+  sm(sc + skip, L - skip);
+}
