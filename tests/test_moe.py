@@ -139,7 +139,7 @@ def test_int8_quantizes_every_expert(moe_models):
     runner = make_runner(moe_models["qwen2_moe"], quantization="int8", dtype="bfloat16")
     mlp = runner.model.layers[0].mlp
     assert all(e.gate_up.int8 is not None and e.down_proj.int8 is not None for e in mlp.experts)
-    assert mlp.shared.gate_up.int8 is not None and mlp.router.dtype == torch.bfloat16
+    assert mlp.shared.gate_up.int8 is not None and mlp.router.dtype == torch.float32
     prompts = _random_prompts(runner.vocab_size, [9, 30], seed=6)
     planner = MiniPlanner(budget=48)
     for p in prompts:
@@ -264,3 +264,18 @@ def test_served_moe_counts_its_experts_on_metrics(moe_models):
     ]
     # 20 prompt tokens and 9 decoded, 2 experts each in 2 routed layers (the middle is dense)
     assert len(counts) == 8 and sum(counts) == (20 + 9) * 2 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_adds_its_experts_as_the_grouped_path_does(dtype):
+    """A single stream's decode skips the sort and gathers; its sums are the same."""
+    from subway.tools.bench.bench_moe import _layer
+
+    layer, _, _ = _layer(dtype, 64, 96, 8, 2)
+    with torch.inference_mode():
+        for seed in range(5):
+            x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            probs = F.linear(x.float(), layer.router).softmax(-1)
+            w, chosen = probs.topk(2, dim=-1)
+            w = (w / w.sum(-1, keepdim=True)).to(dtype)
+            assert torch.equal(layer._one_token(x, w, chosen), layer._grouped(x, w, chosen))

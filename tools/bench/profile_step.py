@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=("none", "int8"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     p.add_argument("--bf16-matmul", default="auto", choices=("auto", "native", "float32"))
+    p.add_argument("--model", default="", help="an HF folder (default: the default model)")
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     B, C, bs = a.batch, a.context, 16
     per_seq = C // bs + 2
     cfg = EngineConfig.build(
-        path=ensure_default_model(),
+        path=a.model or ensure_default_model(),
         dtype=a.dtype,
         num_kv_blocks=B * per_seq,
         quantization=a.quantization,
