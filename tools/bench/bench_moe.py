@@ -140,7 +140,8 @@ def kernel(args: argparse.Namespace) -> None:
         for rows in rows_list:
             x = torch.randn(rows, args.hidden, generator=torch.Generator().manual_seed(rows))
             x = x.to(dtype)
-            loop = (per_expert_loop, x, layer.router, gate_up, down, args.top_k)
+            # transformers' router runs in the model's dtype (ours in float32)
+            loop = (per_expert_loop, x, layer.router.to(dtype), gate_up, down, args.top_k)
             with torch.inference_mode():
                 err = (layer(x).float() - per_expert_loop(*loop[1:]).float()).abs().max().item()
                 times: dict[str, list[float]] = {"grouped": [], "loop": []}
