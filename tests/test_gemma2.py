@@ -24,6 +24,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from attention_ref import dense_attention, random_caches, sequence_kv
 from test_model_equality import MiniPlanner, _random_prompts, compare, hf_greedy
 
 from subway.ipc.config import EngineConfig
@@ -32,10 +33,8 @@ from subway.kernels import attention, cpu_ext
 from subway.kernels.attention import (
     build_metadata,
     decode_attention_torch,
-    dequantize_kv,
     paged_attention,
     positions_and_slots,
-    quantize_kv,
 )
 
 import reference
@@ -55,37 +54,6 @@ Q_GAIN = 3.0
 # ------------------------------------------------------------------ the kernels
 
 
-def dense_attention(q, keys, values, positions, window: int, scale: float, softcap: float):
-    """Queries `q [m, H, d]` at `positions` over one sequence's `keys, values [ctx, KVH, d]`,
-    in float64: scores scaled, capped (softcap > 0), masked causally and to the window."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
-    k = keys.double().repeat_interleave(heads // kv_heads, dim=1)
-    v = values.double().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("mhd,jhd->hmj", q.double(), k) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    i = torch.as_tensor(positions)[:, None]
-    j = torch.arange(keys.shape[0])[None, :]
-    allowed = (j <= i) & ((i - j < window) if window else True)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hmj,jhd->mhd", probs, v).float()
-
-
-def _caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8):
-    """(k, v as the kernel reads them, k, v as float32 values)."""
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    if kv_int8:
-        k, v = quantize_kv(k), quantize_kv(v)
-        return k, v, dequantize_kv(k, torch.float32), dequantize_kv(v, torch.float32)
-    return k, v, k.float(), v.float()
-
-
-def _sequence_kv(kf, vf, table: np.ndarray, ctx: int):
-    idx = torch.from_numpy(table.astype(np.int64))
-    return kf[idx].flatten(0, 1)[:ctx], vf[idx].flatten(0, 1)[:ctx]
-
-
 def check_decode(kernels, dtype, shape, block_size, contexts, window, kv_int8=False) -> None:
     """`kernels.paged_decode` (fast and generic) and `decode_attention_torch` with
     `softcap=CAP` (and `window`) against `dense_attention`, and not against it uncapped;
@@ -97,13 +65,13 @@ def check_decode(kernels, dtype, shape, block_size, contexts, window, kv_int8=Fa
     max_blocks, num_blocks = int(-(-ctx.max() // block_size)), 200
     tables = rng.permutation(num_blocks)[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks)
     tables = tables.astype(np.int32)
-    kc, vc, kf, vf = _caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8)
+    kc, vc, kf, vf = random_caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8)
     q = (torch.randn(len(ctx), heads, head_dim, generator=gen) * Q_GAIN).to(dtype)
     ones = np.ones(len(ctx), dtype=np.int64)
     _, slots = positions_and_slots(ones, ctx, tables, block_size)
     md = build_metadata(ones, ctx, tables, slots, block_size, "cpu", (window,) if window else ())
     scale = head_dim**-0.5
-    kv = [_sequence_kv(kf, vf, tables[i], c) for i, c in enumerate(ctx.tolist())]
+    kv = [sequence_kv(kf, vf, tables[i], c) for i, c in enumerate(ctx.tolist())]
 
     def dense(cap: float) -> torch.Tensor:
         return torch.cat([
@@ -211,7 +179,7 @@ def test_a_mixed_batch_caps_as_the_dense_reference(window, compiled, dtype, tile
     max_blocks = int(-(-ctx.max() // bs))
     perm = np.random.default_rng(0).permutation(num_blocks)
     tables = perm[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks).astype(np.int32)
-    kc, vc, kf, vf = _caches(dtype, kv_heads, d, bs, num_blocks, gen, False)
+    kc, vc, kf, vf = random_caches(dtype, kv_heads, d, bs, num_blocks, gen, False)
     q = (torch.randn(int(qlens.sum()), heads, d, generator=gen) * Q_GAIN).to(dtype)
     _, slots = positions_and_slots(qlens, ctx, tables, bs)
     md = build_metadata(qlens, ctx, tables, slots, bs, "cpu", (window,) if window else ())
@@ -219,7 +187,7 @@ def test_a_mixed_batch_caps_as_the_dense_reference(window, compiled, dtype, tile
     assert out.dtype == dtype
     start, tol = 0, 3e-5 if dtype == torch.float32 else 2e-2
     for i, (m, c) in enumerate(MIXED):
-        keys, values = _sequence_kv(kf, vf, tables[i], c)
+        keys, values = sequence_kv(kf, vf, tables[i], c)
         rows = range(c - m, c)
         want = dense_attention(q[start : start + m], keys, values, rows, window, d**-0.5, CAP)
         torch.testing.assert_close(out[start : start + m].float(), want, atol=tol, rtol=tol)

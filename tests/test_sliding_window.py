@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from attention_ref import dense_attention, random_caches, sequence_kv
 from test_model_equality import MiniPlanner, compare, hf_greedy
 
 from subway.ipc.config import EngineConfig
@@ -29,10 +30,8 @@ from subway.kernels import cpu_ext
 from subway.kernels.attention import (
     build_metadata,
     decode_attention_torch,
-    dequantize_kv,
     paged_attention,
     positions_and_slots,
-    quantize_kv,
 )
 
 import reference
@@ -50,36 +49,6 @@ CONTEXTS = [[1, 15, 16, 17, 33, 64, 100, 250], [300]]  # [300]: one sequence (AV
 # ------------------------------------------------------------------ the kernels
 
 
-def dense_attention(q, keys, values, positions, window: int, scale: float) -> torch.Tensor:
-    """Queries `q [m, H, d]` at `positions` over one sequence's `keys, values [ctx, KVH, d]`,
-    in float64, masked causally and (window > 0) to the window."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
-    k = keys.double().repeat_interleave(heads // kv_heads, dim=1)
-    v = values.double().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("mhd,jhd->hmj", q.double(), k) * scale
-    i = torch.as_tensor(positions)[:, None]
-    j = torch.arange(keys.shape[0])[None, :]
-    allowed = (j <= i) & ((i - j < window) if window else True)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hmj,jhd->mhd", probs, v).float()
-
-
-def _caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8):
-    """(k, v as the kernel reads them, k, v as float32 values)."""
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    if kv_int8:
-        k, v = quantize_kv(k), quantize_kv(v)
-        return k, v, dequantize_kv(k, torch.float32), dequantize_kv(v, torch.float32)
-    return k, v, k.float(), v.float()
-
-
-def _sequence_kv(kf, vf, table: np.ndarray, ctx: int):
-    """One sequence's first `ctx` keys and values, read through its block table."""
-    idx = torch.from_numpy(table.astype(np.int64))
-    return kf[idx].flatten(0, 1)[:ctx], vf[idx].flatten(0, 1)[:ctx]
-
-
 def check_decode(kernels, dtype, shape, block_size, contexts, window, kv_int8=False) -> None:
     """`kernels.paged_decode` (fast and generic) and `decode_attention_torch` with `window`
     against `dense_attention`; `kernels`: a build of the CPU kernels (or None: the torch
@@ -91,13 +60,13 @@ def check_decode(kernels, dtype, shape, block_size, contexts, window, kv_int8=Fa
     max_blocks, num_blocks = int(-(-ctx.max() // block_size)), 200
     tables = rng.permutation(num_blocks)[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks)
     tables = tables.astype(np.int32)
-    kc, vc, kf, vf = _caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8)
+    kc, vc, kf, vf = random_caches(dtype, kv_heads, head_dim, block_size, num_blocks, gen, kv_int8)
     q = torch.randn(len(ctx), heads, head_dim, generator=gen).to(dtype)
     ones = np.ones(len(ctx), dtype=np.int64)
     _, slots = positions_and_slots(ones, ctx, tables, block_size)
     md = build_metadata(ones, ctx, tables, slots, block_size, "cpu", (window,))
     scale = head_dim**-0.5
-    kv = [_sequence_kv(kf, vf, tables[i], c) for i, c in enumerate(ctx.tolist())]
+    kv = [sequence_kv(kf, vf, tables[i], c) for i, c in enumerate(ctx.tolist())]
     want = torch.cat([
         dense_attention(q[i : i + 1], *kv[i], [c - 1], window, scale)
         for i, c in enumerate(ctx.tolist())
@@ -165,14 +134,14 @@ def test_a_mixed_batch_slides_as_the_dense_mask(window, compiled, kv_int8):
     max_blocks = int(-(-ctx.max() // bs))
     perm = np.random.default_rng(0).permutation(num_blocks)
     tables = perm[: len(ctx) * max_blocks].reshape(len(ctx), max_blocks).astype(np.int32)
-    kc, vc, kf, vf = _caches(torch.float32, kv_heads, d, bs, num_blocks, gen, kv_int8)
+    kc, vc, kf, vf = random_caches(torch.float32, kv_heads, d, bs, num_blocks, gen, kv_int8)
     q = torch.randn(int(qlens.sum()), heads, d, generator=gen)
     _, slots = positions_and_slots(qlens, ctx, tables, bs)
     md = build_metadata(qlens, ctx, tables, slots, bs, "cpu", (window,) if window else ())
     out = paged_attention(q, kc, vc, md, d**-0.5, ext if compiled else None, window)
     start = 0
     for i, (m, c) in enumerate(MIXED):
-        keys, values = _sequence_kv(kf, vf, tables[i], c)
+        keys, values = sequence_kv(kf, vf, tables[i], c)
         want = dense_attention(q[start : start + m], keys, values, range(c - m, c), window,
                                d**-0.5)  # fmt: skip
         torch.testing.assert_close(out[start : start + m], want, atol=3e-5, rtol=3e-5)
