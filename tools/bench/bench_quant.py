@@ -55,7 +55,9 @@ def perplexity(url: str, model: str, windows: list[list[int]]) -> float:
     total, count = 0.0, 0
     with httpx.Client(timeout=600) as client:
         for w in windows:
-            body = {"model": model, "prompt": w, "max_tokens": 0, "echo": True, "logprobs": 0}
+            body = {"prompt": w, "max_tokens": 0, "echo": True, "logprobs": 0}
+            if model:
+                body["model"] = model
             r = client.post(url + "/v1/completions", json=body)
             r.raise_for_status()
             lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
@@ -100,11 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--ppl-windows", type=int, default=16)
     p.add_argument("--pressure-memory", type=int, default=64 << 20, help="bytes; 0: skip")
+    p.add_argument("--model", default="", help="an HF folder (default: the default model)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     from subway.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
-    tok = workload.load_tokenizer(ensure_default_model())
+    model = a.model or ensure_default_model()
+    served = "" if a.model else DEFAULT_MODEL_NAME  # "": the server's own
+    tok = workload.load_tokenizer(model)
     std = workload.generate(tok, num_requests=64, seed=0)
     windows = heldout_windows(tok, a.ppl_windows)
     names = a.settings.split(",")
@@ -114,12 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(a.rounds):
         for name in names if i % 2 == 0 else reversed(names):
             print(f"round {i + 1}: {name}", flush=True)
-            flags = [*vs_vllm.ENGINE_FLAGS, *SETTINGS[name]]
+            flags = [*vs_vllm.ENGINE_FLAGS, *SETTINGS[name], "--model", model]
             with compare.subway_server(f"quant-{name}", flags, a.threads) as url:
                 r = c64(url, std)
                 capacity[name] = r["kv_tokens"]
                 if name not in ppl:
-                    ppl[name] = perplexity(url, DEFAULT_MODEL_NAME, windows)
+                    ppl[name] = perplexity(url, served, windows)
                 runs[name].append(r)
                 print(f"  {r['output_throughput']:.1f} tok/s, KV {capacity[name]} tokens, "
                       f"perplexity {ppl[name]:.3f}", flush=True)  # fmt: skip
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.pressure_memory:
         for name in [n for n in ("bf16", "kv8") if n in names]:
             mem = ["--kv-cache-memory", str(a.pressure_memory)]
-            flags = [*vs_vllm.ENGINE_FLAGS, *SETTINGS[name], *mem]
+            flags = [*vs_vllm.ENGINE_FLAGS, *SETTINGS[name], *mem, "--model", model]
             with compare.subway_server(f"quant-pressure-{name}", flags, a.threads) as url:
                 pressure[name] = r = c64(url, std)
                 print(f"pressure {name}: {r['kv_tokens']} KV tokens, "
