@@ -9,7 +9,7 @@ import torch
 
 from subway.kernels.attention import AttentionMetadata
 from subway.worker.layers import PackedLinear
-from subway.worker.model import MLP, KVCache
+from subway.worker.model import MLP, DecoderLayer, KVCache
 
 if TYPE_CHECKING:
     from subway.worker.model import CausalLM
@@ -57,15 +57,10 @@ class FusedDecode:
     def build(cls, model: CausalLM) -> FusedDecode | None:
         call = model.kernels.decode_layers
         layers = list(model.layers)
-        arch = model.arch
-        if call is None or not layers or arch.qk_norm or arch.family in ("gemma2", "gemma3"):
-            return None  # the compiled layers are Llama's: no QK-norm, no Gemma layers
-        if arch.attn_softcap:
-            return None  # nor soft-capped scores
-        if model.windows:
-            return None  # sliding windows: the compiled layers attend globally
-        if any(type(layer.mlp) is not MLP for layer in layers):
-            return None  # a mixture of experts: the compiled layers run one MLP
+        if call is None or not layers or model.arch.qk_norm or model.windows:
+            return None  # no QK-norm, no sliding windows (the compiled layers attend globally)
+        if any(type(layer) is not DecoderLayer or type(layer.mlp) is not MLP for layer in layers):
+            return None  # the compiled layers are Llama's (not Gemma's, nor a mixture of experts)
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         if layers[0].self_attn.o_proj.tp.world_size != 1:
             return None

@@ -48,6 +48,7 @@ def input_ranges(model: nn.Module, ids: list[int], block_size: int) -> dict[obje
     """max |x_j| of every linear layer's input (and the lm_head's, key "lm_head") over one
     forward pass of `ids`, on a scratch KV cache."""
     from subway.worker.layers import PackedLinear
+    from subway.worker.moe import Experts
 
     ranges: dict[object, torch.Tensor] = {}
 
@@ -58,7 +59,7 @@ def input_ranges(model: nn.Module, ids: list[int], block_size: int) -> dict[obje
     hooks = [
         m.register_forward_pre_hook(lambda mod, args: keep(mod, args[0]))
         for m in model.modules()
-        if isinstance(m, PackedLinear) or hasattr(m, "experts")  # a MoE layer's input too
+        if isinstance(m, (PackedLinear, Experts))  # a MoE layer's input too
     ]
     try:
         arch, device = model.arch, model.embed_tokens.device
@@ -105,12 +106,14 @@ def _scale(t: torch.Tensor, by: torch.Tensor) -> None:
 @torch.no_grad()
 def smooth(model: nn.Module, ranges: dict[object, torch.Tensor]) -> torch.Tensor:
     """Fold the factors into the model (see the module doc); the smoothed lm_head copy."""
+    from subway.worker.moe import Experts
+
     for layer in model.layers:
         _smooth_attention(layer.self_attn, layer.input_layernorm, ranges)
         # The norm whose output the MLP reads (Gemma's sandwich: the pre-feedforward one).
         mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
         mlp = layer.mlp
-        if hasattr(mlp, "experts"):  # a mixture of experts (worker/moe.py)
+        if isinstance(mlp, Experts):
             _smooth_experts(mlp, mlp_norm, ranges)
         else:
             s = factors(ranges[mlp.gate_up], column_ranges(mlp.gate_up.weight))
