@@ -75,8 +75,14 @@ class CacheConfig:
     block_size: int = opt(16, "tokens per KV block")
     kv_cache_memory: int = opt(1 << 30, "bytes of KV cache (CPU)")
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights, activations, KV")
-    num_kv_blocks: int = opt(0, "override the KV block count (0: from the memory budget)")
+    num_kv_blocks: int = opt(0, "override the KV memory, in blocks of every layer (0: from the "
+                             "memory budget; hybrid KV groups cut it into smaller pages)")
     enable_prefix_caching: bool = opt(True, "", flag="--no-prefix-caching")
+    hybrid_kv_cache: bool = opt(
+        True, "where layers slide (Gemma, Mistral), their KV blocks behind the window go back "
+        "to the pool (pages per layer group; CPU, not with disaggregation)",
+        flag="--disable-hybrid-kv-cache",
+    )  # fmt: skip
     kv_cache_dtype: str = opt("auto", "auto: the model's dtype; int8: 8-bit keys and values "
                               "with a scale per slot and head (CPU only)",
                               choices=("auto", "int8"))  # fmt: skip

@@ -169,6 +169,9 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     sampled_shm: str | None = None  # rank 0: name of the shm buffer it writes sampled ids to
     host: str = ""  # with `pid`: how the scheduler judges this worker's death
     device: str = ""  # where it runs the model: "cpu" or "cuda" (empty: not said)
+    # Its KV groups' windows (ipc/kv_groups.py; empty: one global group): a page per group
+    # for each block, `num_blocks` pages in all.
+    kv_windows: list[int] = []
 
 
 class StepResult(msgspec.Struct, tag="result", omit_defaults=True):

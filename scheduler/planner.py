@@ -124,7 +124,6 @@ class Planner:
         steps = out.steps
         bm = q.block_manager
         claimed = bm.claimed
-        bs = bm.block_size
         spec = q.speculative
         spec_on = spec is not None and q.num_running <= spec.disable_by_batch_size
         spare = budget - q.num_running  # budget for drafts once every decode has its token
@@ -144,6 +143,9 @@ class Planner:
             if total >= req.token_limit:
                 continue  # its last token is already in flight
             sid = req.seq_id
+            if pos >= req.cache_upto:  # its first decode: key what its prefill computed
+                bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos, -req.lora)  # tokens < pos
+                req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
             draft: list[int] = []
             if spec_on and req.speculable and spare > 0:
                 k = min(spec.num_speculative_tokens, req.token_limit - total - 1, spare)
@@ -167,10 +169,7 @@ class Planner:
                         continue
                     budget += self._take_released()
                     new_blocks = bm.allocate(sid, n)
-                req.num_slots += bs * len(new_blocks)
-            if pos >= req.cache_upto:  # its first decode: key what its prefill computed
-                bm.cache_blocks(sid, req.prompt_ids, req.output_ids, pos, -req.lora)  # tokens < pos
-                req.cache_upto = NEVER  # what it decodes is keyed when it finishes or is preempted
+                req.num_slots += bm.slots(new_blocks)
             steps.append(SeqStep(sid, pos, n, new_blocks, True, draft))
             decode_kv += pos + n
             req.num_computed_tokens = pos + n
@@ -257,6 +256,8 @@ class Planner:
         n = self._chunk(req, remaining if remaining < budget else budget, budget)
         if n == 0:
             return budget, False
+        if pos >= req.cache_upto:  # (before a window releases what it computed)
+            q.cache_blocks(req, pos)
         made_room = False
         fit = bm.max_new_tokens(sid)
         if fit < n:
@@ -270,11 +271,9 @@ class Planner:
             n = fit if fit < n else n  # a smaller chunk rather than more preemption
         if self._pool_room is not None and req.sampling.pooling:
             self._pool_room -= n
-        if pos >= req.cache_upto:
-            q.cache_blocks(req, pos)
         sample = n == remaining
         new_blocks = bm.allocate(sid, n)
-        req.num_slots += bm.block_size * len(new_blocks)
+        req.num_slots += bm.slots(new_blocks)
         self._out.steps.append(SeqStep(sid, pos, n, new_blocks, sample))
         req.num_computed_tokens = pos + n
         if sample:
@@ -317,7 +316,7 @@ class Planner:
             hits = bm.lookup(req.prompt_ids, req.output_ids, (total - 1) // bs, -req.lora)
         else:
             hits = []
-        cached = len(hits) * bs
+        cached = bm.slots(hits)
         remaining = total - cached
         while True:
             n = self._chunk(req, remaining if remaining < budget else budget, budget)
@@ -333,7 +332,7 @@ class Planner:
         if self._pool_room is not None and req.sampling.pooling:
             self._pool_room -= n
         table = bm.allocate_with_prefix(sid, hits, n)
-        req.num_slots = bs * len(table)
+        req.num_slots = bm.slots(table)
         q.mark_running(req)
         if not req.sent:
             self._out.new_seqs.append(NewSeq(sid, req.prompt_ref, req.sampling, req.lora))
@@ -348,7 +347,7 @@ class Planner:
         req.admitted_step = step
         stats = q.stats
         if q.caching:
-            req.cache_upto = (len(hits) + 1) * bs
+            req.cache_upto = cached + bs
             stats.prefix_queries_total += total
             stats.prefix_hits_total += cached
         if not req.reported:

@@ -354,10 +354,13 @@ class SchedulerLoop:
         max_len = min(w.max_model_len for w in ranks)
         if config.model.max_model_len > 0:
             max_len = min(max_len, config.model.max_model_len)
+        if any(w.kv_windows != rank0.kv_windows for w in ranks):
+            raise RuntimeError(f"the workers' KV groups differ: {[w.kv_windows for w in ranks]}")
         self.workers.start(rank0)
         sched = self.sched = Scheduler(
-            config, num_blocks, max_len, rank0.eos_token_ids, grammars_by_key=True
-        )
+            config, num_blocks, max_len, rank0.eos_token_ids, grammars_by_key=True,
+            kv_windows=tuple(rank0.kv_windows) or (0,),
+        )  # fmt: skip
         self.workers.step_cost = sched.step_cost  # the hung-step bound follows the cost model
         role = config.parallel.role
         if role == "prefill":

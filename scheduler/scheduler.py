@@ -63,6 +63,7 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         policy: Policy | None = None,
         grammars_by_key: bool = False,
+        kv_windows: tuple[int, ...] = (0,),  # the workers' KV groups (ipc/kv_groups.py)
     ) -> None:
         """`clock` stamps first tokens (and feeds time-dependent policies); it must be on
         the same scale as requests' `arrival_time` (the frontend's time.time()).
@@ -72,12 +73,10 @@ class Scheduler:
         self.config = config
         self.caching = bool(config.cache.enable_prefix_caching)
         self.block_manager = BlockManager(
-            num_blocks,
-            config.cache.block_size,
-            self.caching,
+            num_blocks, config.cache.block_size, self.caching, windows=kv_windows,
             track_digests=self.caching and config.parallel.data_parallel_size > 1,
-        )
-        pool = self.block_manager.capacity_tokens
+        )  # fmt: skip
+        pool = self.block_manager.capacity_tokens(config.scheduler.max_num_batched_tokens)
         # A request must fit in the pool alone, or it could never finish.
         self.max_model_len = min(max_model_len, pool) if max_model_len > 0 else pool
         self._eos = frozenset(eos_token_ids)

@@ -56,6 +56,7 @@ import msgspec
 import zmq
 
 from subway.ipc.config import EngineConfig
+from subway.ipc.kv_groups import MAX_KV_GROUPS, check_windows
 from subway.ipc.messages import (
     MAX_EMBEDDING_BYTES,
     MAX_EXPERTS,
@@ -302,10 +303,13 @@ class WorkerLink:
             self._on_result(msg)
         elif isinstance(msg, WorkerReady):
             tp = self.config.parallel.tensor_parallel_size
-            if self.started or not 0 <= msg.rank < tp or msg.num_blocks < 1 or msg.vocab_size < 1:
-                self.refusals.refuse(
-                    "bad WorkerReady", f"rank {msg.rank} (started: {self.started})"
-                )
+            bad = check_windows(msg.kv_windows, MAX_KV_GROUPS)
+            if bad is None and (self.started or not 0 <= msg.rank < tp):
+                bad = f"rank {msg.rank} (started: {self.started})"
+            if bad is None and (msg.num_blocks < 1 or msg.vocab_size < 1):
+                bad = f"{msg.num_blocks} blocks, a vocabulary of {msg.vocab_size}"
+            if bad is not None:
+                self.refusals.refuse("bad WorkerReady", bad)
                 return
             self.workers[msg.rank] = msg
         elif isinstance(msg, KvImported):

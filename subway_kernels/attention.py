@@ -23,7 +23,8 @@ table row starts at the block of its first key in the window (`first_block`), it
 context length counts from there, and `skip` is how many keys of that block lie
 before the window; a prefill chunk reads from the first block any of its queries
 needs, under a causal and windowed mask. Layers without a window read the plain
-fields, as before. (Blocks before a window stay allocated: only attention slides.)
+fields, as before. (Pages wholly before every window of their group go back to the pool:
+hybrid KV groups, `ipc/kv_groups.py`; a table holds block 0 in their place, never read.)
 
 Soft-capping (`softcap=C` to `paged_attention`, Gemma 2's `attn_logit_softcapping`; 0:
 none): the scaled scores become C * tanh(score / C) before the mask and the softmax, as
@@ -60,6 +61,8 @@ class AttentionMetadata:
     all_decode: bool  # every sequence is a decode and tokens are in sequence order
     # Per sliding window size of the model (`window=W` layers): what those layers read.
     windows: dict[int, WindowMetadata] = field(default_factory=dict)
+    # Hybrid KV groups (ipc/kv_groups.py): each layer's own group's metadata (None: this one).
+    per_layer: list[AttentionMetadata] | None = None
 
 
 @dataclass

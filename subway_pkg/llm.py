@@ -75,8 +75,9 @@ class LLM:
         self.config = config = resolve_model(config)
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(
-            config, self.runner.num_blocks, self.runner.max_model_len, self.runner.eos_token_ids
-        )
+            config, self.runner.num_blocks, self.runner.max_model_len, self.runner.eos_token_ids,
+            kv_windows=tuple(self.runner.pages.reported_windows) or (0,),
+        )  # fmt: skip
         self.core = EngineCore(
             self.scheduler, InProcessExecutor(self.runner), 2 if config.scheduler.overlap else 1
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from subway.scheduler import block_manager
+from subway.scheduler import prefix_cache
 from subway.scheduler.block_manager import TOKEN_BYTES, BlockManager
 from subway.scheduler.request import RequestStatus
 from subway.scheduler.scheduler import Scheduler
@@ -13,10 +13,12 @@ MAX_DRAFT = 16  # num_speculative_tokens at most
 def check_block_manager(bm: BlockManager) -> None:
     """Counts, states, the cache, sharing."""
     counts = [0] * bm.num_blocks
+    G = bm.num_groups
     for table in bm._tables.values():
-        if len(set(table)) != len(table):
-            raise AssertionError(f"a block twice in one table: {table}")
-        for b in table:
+        held = [b for b in table if b >= 0]
+        if len(set(held)) != len(held) or len(table) % G:
+            raise AssertionError(f"a block twice in one table, or a table not of groups: {table}")
+        for b in held:
             counts[b] += 1
     free = set(bm._free)
     if len(free) != len(bm._free):
@@ -47,9 +49,14 @@ def check_block_manager(bm: BlockManager) -> None:
         if bm._key[b] != h:
             raise AssertionError(f"cache entry for block {b} has a stale key")
         toks = bm._tokens[b]
+        marks = {prefix_cache.companion_mark(k): k for k in range(1, G)}
+        if toks in marks:  # a page of group k > 0, keyed under its group-0 page's node
+            if prefix_cache._key_hash(("g", marks[toks], bm._parent[b])) != h:
+                raise AssertionError(f"page {b} is cached under a key that is not its own")
+            continue
         if toks is None or len(toks) != bm.block_size * TOKEN_BYTES:
             raise AssertionError(f"block {b} is cached but not full")
-        if block_manager._key_hash((bm._parent[b], toks)) != h:  # (tests patch it)
+        if prefix_cache._key_hash((bm._parent[b], toks)) != h:  # (tests patch it)
             raise AssertionError(f"block {b} is cached under a key that is not its own")
     if len(bm._cache) != sum(t is not None for t in bm._tokens):
         raise AssertionError("the cache and the cached blocks disagree")
@@ -57,12 +64,16 @@ def check_block_manager(bm: BlockManager) -> None:
         n = bm.claimed.get(seq_id, 0)
         need = -(-n // bm.block_size)
         # Beyond what it claims, a table keeps the blocks of a rejected draft (at most 16).
-        if not need <= len(table) <= -(-(n + MAX_DRAFT) // bm.block_size):
+        if not need <= len(table) // G <= -(-(n + MAX_DRAFT) // bm.block_size):
             raise AssertionError(f"sequence {seq_id}: {len(table)} blocks for {n} tokens")
         count, _ = bm._keyed.get(seq_id, (0, 0))
-        for b in table[count:]:
-            if counts[b] > 1:
+        for b in table[count * G :]:
+            if b >= 0 and counts[b] > 1:
                 raise AssertionError(f"sequence {seq_id} shares block {b} beyond its prefix")
+        for k, w in enumerate(bm.windows):  # a group's pages: held from its first read on
+            first = max(0, n - w + 1) // bm.block_size if w else 0
+            if any(table[j * G + k] < 0 for j in range(first, len(table) // G)):
+                raise AssertionError(f"sequence {seq_id}: group {k} lacks a block it reads")
 
 
 def check_scheduler(sched: Scheduler) -> None:
@@ -86,7 +97,7 @@ def check_scheduler(sched: Scheduler) -> None:
         if bm.num_claimed(sid) != r.num_computed_tokens:
             raise AssertionError(f"seq {sid}: claims {bm.num_claimed(sid)} slots, "
                                  f"computed {r.num_computed_tokens}")  # fmt: skip
-        if r.num_slots != bm.block_size * len(bm.block_table(sid)):
+        if r.num_slots != bm.slots(bm.block_table(sid)):
             raise AssertionError(f"seq {sid}: num_slots {r.num_slots} is off")
     for r in sched.waiting:
         if bm.block_table(r.seq_id):

@@ -236,9 +236,9 @@ def test_random_workload_with_sharing_never_leaks(sweep_slack):
 
 
 def test_hash_collisions_never_alias(monkeypatch):
-    from subway.scheduler import block_manager
+    from subway.scheduler import prefix_cache
 
-    monkeypatch.setattr(block_manager, "_key_hash", lambda key: 42)  # every key collides
+    monkeypatch.setattr(prefix_cache, "_key_hash", lambda key: 42)  # every key collides
     bm = BlockManager(num_blocks=8, block_size=2, enable_caching=True)
     bm.allocate(1, 4)
     bm.cache_blocks(1, [1, 2, 3, 4], [], 4)  # block 0 is cached; block 1 collides with it

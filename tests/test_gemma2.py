@@ -337,7 +337,7 @@ def test_greedy_matches_transformers(gemma2, cpu_ext):
     assert model.layers[0].self_attn.q_norm is None
     prompts = _random_prompts(runner.vocab_size, [70, 5, 30, 96, 23, 48, 3], seed=11)
     max_new = 14
-    planner = MiniPlanner(budget=20, block_size=BLOCK_SIZE)
+    planner = MiniPlanner(budget=20, block_size=BLOCK_SIZE, groups=runner.pages.num_groups)
     for i, p in enumerate(prompts):
         planner.add(p, max_new, arrival=i // 2)
     logprobs = _run_with_preemptions(planner, runner, at=(12, 19))
@@ -373,7 +373,7 @@ def test_the_caps_change_what_the_runner_computes(gemma2, tmp_path):
             with open(os.path.join(path, "config.json"), "w") as f:
                 json.dump(cfg, f)
         runner = _runner(path)
-        planner = MiniPlanner(budget=64, block_size=BLOCK_SIZE)
+        planner = MiniPlanner(budget=64, block_size=BLOCK_SIZE, groups=runner.pages.num_groups)
         for p in prompts:
             planner.add(p, 12)
         outs[name] = (

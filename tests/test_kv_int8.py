@@ -298,7 +298,7 @@ def test_runner_fits_more_blocks_in_the_same_memory(default_model):
         runner = ModelRunner(config)
         blocks[kv] = runner.num_blocks
         k_cache, v_cache = runner.kv_caches[0]
-        _, _, head_dim = runner._kv_shape
+        _, _, head_dim = runner.kv_shape
         want = (torch.int8, head_dim + 4) if kv == "int8" else (torch.bfloat16, head_dim)
         assert (k_cache.dtype, k_cache.shape[-1]) == want == (v_cache.dtype, v_cache.shape[-1])
         assert k_cache.shape[0] == runner.num_blocks

@@ -47,9 +47,11 @@ class _Seq:
 class MiniPlanner:
     """Just enough of a scheduler to drive a ModelRunner (or several TP ranks in lockstep)."""
 
-    def __init__(self, budget: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, budget: int, block_size: int = BLOCK_SIZE, groups: int = 1) -> None:
+        """`groups`: the runner's KV groups (`runner.pages.num_groups`), a page each a block."""
         self.budget = budget
         self.block_size = block_size
+        self.groups = groups
         self.next_block = 0
         self.step = 0
         self.seqs: dict[int, _Seq] = {}
@@ -87,7 +89,8 @@ class MiniPlanner:
             if n <= 0:
                 continue
             left -= n
-            need = -(-(s.computed + n) // self.block_size) - len(s.blocks)
+            need = -(-(s.computed + n) // self.block_size) - len(s.blocks) // self.groups
+            need *= self.groups
             blocks = list(range(self.next_block, self.next_block + need))
             self.next_block += need
             s.blocks += blocks
@@ -114,6 +117,7 @@ class MiniPlanner:
         self.step += 1
 
     def run(self, runner) -> None:
+        self.groups = runner.pages.num_groups
         while not self.done():
             plan = self.plan()
             self.apply(plan, runner.execute(plan))
@@ -145,7 +149,8 @@ def compare(planner: MiniPlanner, expected: list[tuple[list[int], list]]) -> int
 def make_runner(path: str, **overrides):
     from subway.worker.runner import ModelRunner
 
-    config = EngineConfig.build(path=path, block_size=BLOCK_SIZE, num_kv_blocks=512, **overrides)
+    overrides.setdefault("num_kv_blocks", 512)
+    config = EngineConfig.build(path=path, block_size=BLOCK_SIZE, **overrides)
     return ModelRunner(config)
 
 

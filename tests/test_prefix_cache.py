@@ -300,9 +300,9 @@ def test_first_delta_carries_queue_time_and_prompt_logprobs():
 def test_outputs_identical_under_hash_collisions(monkeypatch):
     """With a hash that collides all the time, the cache still never hands out a wrong
     block (the fake worker reads every KV slot back)."""
-    from subway.scheduler import block_manager
+    from subway.scheduler import prefix_cache
 
-    monkeypatch.setattr(block_manager, "_key_hash", lambda key: hash(key) % 3)
+    monkeypatch.setattr(prefix_cache, "_key_hash", lambda key: hash(key) % 3)
     reqs = shared_prefix_reqs(seed=5, n=30)
     for num_blocks in (256, 28):  # 28 blocks of 2: preemption
         sched = make_scheduler(num_blocks=num_blocks, max_model_len=56, block_size=2,

@@ -29,7 +29,7 @@ def _rank_main(rank: int, path: str, addr: str, prompts: list[list[int]], out_fi
     init_distributed(2, rank, addr, torch.device("cpu"))
     config = EngineConfig.build(path=path, block_size=BLOCK_SIZE, num_kv_blocks=256)
     runner = ModelRunner(config, rank, 2)
-    planner = MiniPlanner(budget=32)  # every rank plans the same steps
+    planner = MiniPlanner(budget=32, groups=runner.pages.num_groups)  # the same steps on every rank
     for i, p in enumerate(prompts):
         planner.add(p, MAX_NEW, arrival=i // 2)
     pooled = {  # embedding prefills in the same steps, chunked as the others (worker/pooling.py)

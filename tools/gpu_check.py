@@ -878,7 +878,7 @@ def check_throughput(ctx: Ctx, root: str, runs: list[tuple] | None = None) -> No
 
                 runner.graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
             init_s = time.perf_counter() - t0
-            layers, kv_heads, head_dim = runner._kv_shape
+            layers, kv_heads, head_dim = runner.kv_shape
             per_block = block_bytes(
                 layers, runner.block_size, kv_heads, head_dim, runner.dtype, kv_dtype == "int8"
             )

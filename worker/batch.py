@@ -94,11 +94,15 @@ def build_batch(
     grammars: Grammars,
     prompt_lps: PromptLogprobTracker | None,
     pooling: PoolingTracker | None = None,
+    num_groups: int = 1,
+    holes: bool = False,
 ) -> Batch:
     """Plan `step_no`'s `steps` as a batch; `prompt_lps` where this rank scores prompts,
-    `pooling` where it pools them."""
+    `pooling` where it pools them. With `num_groups` KV groups (`ipc/kv_groups.py`) the
+    tables are flat and `slots` are group 0's (`worker/kv_pages.py` makes the others');
+    `holes`: some group slides, so a table may hold -1 (`_grow`)."""
     qlens, ends, input_ids, states, drafted = _gather(
-        step_no, steps, seqs, num_blocks, block_size, vocab_size, grammars
+        step_no, steps, seqs, num_blocks, block_size, vocab_size, grammars, (num_groups, holes)
     )
     tables = np.zeros((len(steps), max(len(st.block_table) for st in states)), dtype=np.int32)
     for i, st in enumerate(states):
@@ -116,7 +120,8 @@ def build_batch(
         qlens, ctx, row_of = draft_rows([len(s.draft) for s in steps], qlens, ends)
         tables = tables[row_of]
         sampled_rows = [r for r, i in enumerate(row_of.tolist()) if steps[i].sample]
-    positions, slots = positions_and_slots(qlens, ctx, tables, block_size)
+    head = tables if num_groups == 1 else tables[:, ::num_groups]
+    positions, slots = positions_and_slots(qlens, ctx, head, block_size)
     return Batch(
         steps=steps,
         states=states,
@@ -146,6 +151,7 @@ def _gather(
     block_size: int,
     vocab_size: int,
     grammars: Grammars,
+    layout: tuple[int, bool],
 ) -> tuple[np.ndarray, np.ndarray, list[int], list[SeqState], bool]:
     """Check each step against its sequence, grow its block table, and drop a later token
     the scheduler discarded: query lengths, input ends, input ids, states, any draft."""
@@ -155,14 +161,13 @@ def _gather(
     input_ids: list[int] = []
     states: list[SeqState] = []
     drafted = False
+    num_groups = layout[0]
     for i, step in enumerate(steps):
         st = seqs.get(step.seq_id)
         if st is None:
             raise PlanError(f"step {step_no}: unknown seq {step.seq_id}")
         if step.new_blocks:
-            if min(step.new_blocks) < 0 or max(step.new_blocks) >= num_blocks:
-                raise PlanError(f"step {step_no}: a block id outside [0, {num_blocks})")
-            st.block_table.extend(step.new_blocks)
+            _grow(step_no, st.block_table, step.new_blocks, num_blocks, layout)
         end = step.start_pos + step.num_tokens
         own = end  # positions fed from its own tokens; a draft's come after them
         if step.draft:
@@ -173,7 +178,7 @@ def _gather(
             step.start_pos < 0
             or own <= step.start_pos
             or own > len(st.tokens)
-            or end > len(st.block_table) * block_size
+            or end > len(st.block_table) // num_groups * block_size
         ):
             raise PlanError(
                 f"step {step_no}: seq {step.seq_id} asks for positions up to {end} but the "
@@ -190,3 +195,16 @@ def _gather(
         ends[i] = end
         states.append(st)
     return qlens, ends, input_ids, states, drafted
+
+
+def _grow(
+    step_no: int, table: list[int], new: list[int], num_blocks: int, layout: tuple[int, bool]
+) -> None:
+    """Append a step's new blocks: ids in the pool, whole blocks of every group. Where a
+    group slides, a -1 is a page its window released (behind the window of the step's
+    first position): never read, it reads as block 0 here, as table padding does."""
+    groups, holes = layout
+    lo = -1 if holes else 0
+    if min(new) < lo or max(new) >= num_blocks or len(new) % groups:
+        raise PlanError(f"step {step_no}: a block id outside [0, {num_blocks}), or a part block")
+    table.extend(new if lo == 0 or min(new) >= 0 else [max(b, 0) for b in new])

@@ -267,8 +267,9 @@ class CausalLM(nn.Module):
             h, residual = fused(h, positions, self.rope_cache, md, kv_caches)
         else:
             residual = None
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                h, residual = layer(h, residual, positions, self.rope_cache, md, kv)
+            per = md.per_layer or [md] * len(kv_caches)  # hybrid KV groups: the layer's own
+            for layer, kv, lmd in zip(self.layers, kv_caches, per, strict=True):
+                h, residual = layer(h, residual, positions, self.rope_cache, lmd, kv)
         h, residual = h.index_select(0, sample_idx), residual.index_select(0, sample_idx)
         h, _ = self.norm(h, residual)
         return h

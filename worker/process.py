@@ -172,6 +172,7 @@ class WorkerLoop:
                 sampled_shm=self.sampled.name if self.sampled is not None else None,
                 host=this_host(),
                 device=runner.device.type,
+                kv_windows=runner.pages.reported_windows,
             )
         )
         self.last_sent = time.perf_counter()

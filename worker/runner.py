@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from subway.ipc.config import EngineConfig, SchedulerConfig
-from subway.ipc.messages import Plan, PromptLogprobs, SamplingParams, SeqStep, StepResult, TokenRef
+from subway.ipc.config import EngineConfig
+from subway.ipc.messages import Plan, PromptLogprobs, SeqStep, StepResult, TokenRef
 from subway.ipc.shm import TokenBuffer, resolve
 from subway.kernels import cpu_ext
-from subway.kernels.attention import build_metadata, positions_and_slots
 from subway.kernels.dispatch import choose_kernels
 from subway.worker import kv_share
 from subway.worker.batch import Batch, PlanError, SeqState, build_batch
@@ -24,11 +23,11 @@ from subway.worker.cuda_graph import maybe_decode_graphs
 from subway.worker.families import build_model, resolve_device
 from subway.worker.grammar import GrammarError, Grammars, GrammarStep
 from subway.worker.huge_pages import rehome
-from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
+from subway.worker.kv_pages import count_pages, kv_pages_for
 from subway.worker.layers import widen_bf16
 from subway.worker.loader import load_weights
 from subway.worker.lora import check_loras, lora_manager, prepare_loras
-from subway.worker.model import CausalLM, max_model_len
+from subway.worker.model import CausalLM, layer_windows, max_model_len
 from subway.worker.model_arch import load_model_arch, resolve_dtype
 from subway.worker.parallel import TensorParallel
 from subway.worker.pooling import PoolingTracker
@@ -66,12 +65,6 @@ class StepOutput:
             embeddings=self.embeddings,
             num_tokens=self.num_tokens,
         )
-
-
-def logit_rows_worst_case(sched: SchedulerConfig, max_model_len: int) -> int:
-    """Rows of logits one step can compute at most: a sampled row per sequence plus a
-    prompt-logprob row per prefilled position, all within the step's token budget."""
-    return min(sched.max_num_batched_tokens, max_model_len)
 
 
 def prepare_weights(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
@@ -120,13 +113,16 @@ class ModelRunner:
         self.model.eval()
         prepare_weights(self.model, config, self.device)
         attn = self.model.layers[0].self_attn.qkv
-        self._kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
-        self.num_blocks = self._count_blocks()
-        self.kv_caches, self.kv_shared = kv_share.allocate(
-            config.parallel.role, config.ipc.kv_source, rank, arch.num_layers,
+        self.kv_shape = (arch.num_layers, attn.num_kv_heads, arch.head_dim)
+        windows = layer_windows(arch, kernels)
+        self.pages = kv_pages_for(config, self.device, windows, self.max_model_len)
+        self.num_blocks = count_pages(self)  # pages of `pages.groups.page_layers` layers
+        slots, self.kv_shared = kv_share.allocate(
+            config.parallel.role, config.ipc.kv_source, rank, self.pages.groups.page_layers,
             self.num_blocks, self.block_size, attn.num_kv_heads, arch.head_dim, self.dtype,
             self.device, config.model.huge_pages, config.cache.kv_cache_dtype == "int8",
         )  # fmt: skip
+        self.kv_caches = self.pages.layer_caches(slots)
         self.sampler = Sampler(
             self.device, config.model.seed, self.eos_token_ids, kernels.argmax_rows
         )
@@ -147,57 +143,6 @@ class ModelRunner:
         self._prompt_shm = config.ipc.prompt_shm_name  # until a plan names the frontend's
 
     # ------------------------------------------------------------------ setup
-
-    def _count_blocks(self) -> int:
-        if self.config.cache.num_kv_blocks > 0:
-            return self.config.cache.num_kv_blocks
-        layers, heads, head_dim = self._kv_shape
-        kv_int8 = self.config.cache.kv_cache_dtype == "int8"
-        per_block = block_bytes(layers, self.block_size, heads, head_dim, self.dtype, kv_int8)
-        if self.device.type == "cuda":
-            budget = cuda_kv_budget(
-                self.config.cache.gpu_memory_utilization, self.device, self._profile_peak()
-            )
-        else:
-            budget = self.config.cache.kv_cache_memory
-        blocks = budget // per_block
-        if blocks < 1:
-            raise RuntimeError(f"no memory left for the KV cache (budget {budget} bytes)")
-        return int(blocks)
-
-    @torch.inference_mode()
-    def _profile_peak(self) -> int:
-        """Peak CUDA bytes of one step of the largest batch, run on a scratch KV cache."""
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        rows = logit_rows_worst_case(self.config.scheduler, self.max_model_len)
-        blocks = -(-n // self.block_size)
-        layers, heads, head_dim = self._kv_shape
-        torch.cuda.reset_peak_memory_stats(self.device)
-        caches = allocate_kv_cache(
-            layers, blocks, self.block_size, heads, head_dim, self.dtype, self.device,
-            kv_int8=self.config.cache.kv_cache_dtype == "int8",
-        )  # fmt: skip
-        qlens, ctx = np.array([n]), np.array([n])
-        table = np.arange(blocks, dtype=np.int32)[None, :]
-        positions, slots = positions_and_slots(qlens, ctx, table, self.block_size)
-        md = build_metadata(
-            qlens, ctx, table, slots, self.block_size, self.device, self.model.windows
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.from_numpy(positions).to(self.device)
-        # Logits of every position: what prompt logprobs (echo + logprobs) can ask in one step.
-        sample = torch.arange(n - rows, n, device=self.device)
-        hidden = self.model(ids, pos, md, caches, sample)
-        logits = self.model.compute_logits(hidden)
-        # The sampler's worst case too: every row sorted for top-k/top-p, with logprobs.
-        worst = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, logprobs=5)
-        num_sampled = min(rows, self.config.scheduler.max_num_seqs)
-        Sampler(self.device)(logits[:num_sampled], [SampleRequest(worst, 0, [0], 1)] * num_sampled)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, hidden
-        torch.cuda.empty_cache()
-        return peak
 
     def _prompt_ids(self, ref: TokenRef) -> list[int]:
         """A new sequence's prompt: inline, or read from the frontend's buffer (attached on
@@ -317,7 +262,7 @@ class ModelRunner:
         pooling = self.pooling if self.rank == 0 and self.pooling.active else None
         return build_batch(
             step_no, steps, self.seqs, self.num_blocks, self.block_size, self.vocab_size,
-            self.grammars, prompt_lps, pooling,
+            self.grammars, prompt_lps, pooling, self.pages.num_groups, self.pages.slides,
         )  # fmt: skip
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -334,9 +279,7 @@ class ModelRunner:
             return graphs.run(batch.input_ids, batch.positions, batch.slots, ctx, tables), None
         dev = self.device
         plp_idx, plp_slices = batch.plp_idx, batch.plp_slices
-        md = build_metadata(
-            qlens, ctx, tables, batch.slots, self.block_size, dev, self.model.windows
-        )
+        md = self.pages.metadata(qlens, ctx, tables, batch.slots, self.block_size, dev)
         sample_idx = np.cumsum(qlens)[batch.sampled_rows] - 1
         num_rows = len(sample_idx)
         if batch.extra_rows:
