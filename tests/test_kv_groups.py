@@ -13,6 +13,7 @@ from subway.ipc.config import EngineConfig
 from subway.ipc.kv_groups import plan_groups, single_group
 from subway.ipc.messages import SamplingParams
 from subway.scheduler.block_manager import BlockManager
+from subway.tools.bench.bench_windows import replay
 
 GEMMA3_270M = ([512] * 5 + [0]) * 3  # its 18 layers: every sixth global
 
@@ -59,21 +60,6 @@ def test_pages_behind_a_window_go_back_to_the_pool():
     check_block_manager(bm)
 
 
-def _held_at(windows: tuple[int, ...], tokens: int, chunk: int, bs: int = 16) -> tuple[int, int]:
-    """Pages a conversation of `tokens` holds at its end, and the most it held while
-    decoding: its prompt (half) prefilled in chunks of `chunk`, the rest a token a step."""
-    bm = BlockManager(num_blocks=1 << 16, block_size=bs, windows=windows)
-    prompt = tokens // 2
-    for _ in range(0, prompt, chunk):
-        bm.allocate(1, chunk)
-    peak = 0
-    for _ in range(prompt, tokens):
-        bm.allocate(1, 1)
-        peak = max(peak, bm.num_used_blocks)
-    check_block_manager(bm)
-    return bm.num_used_blocks, peak
-
-
 @pytest.mark.parametrize(
     "layers",
     [[512] * 5 + [0], GEMMA3_270M],
@@ -84,7 +70,9 @@ def test_a_long_conversation_holds_about_a_quarter_of_the_kv(layers):
     sliding (window 512) holds under a third of the KV a full-attention cache would:
     held pages x layers a page, over the 4096 / 16 blocks of every layer."""
     g = plan_groups(layers, 32768)
-    end, peak = _held_at(g.windows, 4096, 512)
+    bm, peak = replay(g.windows, 4096, 512, 16)  # (the benchmark's replay)
+    check_block_manager(bm)
+    end = bm.num_used_blocks
     full = 4096 // 16 * len(layers)
     # Global layers: 256 blocks each; sliding: position 4095's window, keys 3584-4095 (32
     # blocks), and while decoding up to 33 (a window across a block's edge).

