@@ -26,7 +26,7 @@ SOURCES = (
     "paged_decode_cpu.cpp", "ops_cpu.cpp", "mask_cpu.cpp", "gemv_cpu.cpp", "argmax_cpu.cpp",
     "paged_decode_int8_cpu.cpp",
     "quant_cpu.cpp", "amx_linear_cpu.cpp", "amx_int8_cpu.cpp", "decode_layers_cpu.cpp",
-    "avx2_int8_cpu.cpp", "lora_cpu.cpp",
+    "avx2_int8_cpu.cpp", "lora_cpu.cpp", "avx512_int8_cpu.cpp",
 )  # fmt: skip
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -80,7 +80,7 @@ def test_int8_linear_against_float_reference(ops, dtype, rows, k, n):
 
 def _paths(ops) -> list[str]:
     """The int8 matmuls that can run here (oneDNN's only with VNNI: it saturates without)."""
-    return [p for p in ("amx", "avx2", "onednn") if _can(ops, p)]
+    return [p for p in ("amx", "avx512", "avx2", "onednn") if _can(ops, p)]
 
 
 def _can(ops, path: str) -> bool:
@@ -145,7 +145,7 @@ def test_the_chosen_path_never_runs_onednns_reference_matmul(ops, capfd):
     w = torch.randn(1536, 576).to(torch.bfloat16)
     chosen = Int8Linear(w, ops).path
     if not _can(ops, "onednn"):
-        assert chosen in ("amx", "avx2")
+        assert chosen in ("amx", "avx512", "avx2")
         return
     lin = Int8Linear(w, ops, "onednn")
     capfd.readouterr()

@@ -22,12 +22,12 @@ class FusedDecode:
     (docs/BENCHMARKS.md). It applies on one rank (no all-reduce between the kernels),
     without Qwen3's q/k norms, Gemma's layers, soft-capped scores or sliding windows (it
     attends globally), where every layer's linears take the few-row kernel (steps of up to
-    `small_linear_rows` rows), or under `--quantization int8` where they all take the AVX2
-    or the AMX int8 matmul (steps of any size: those take any row count). It
+    `small_linear_rows` rows), or under `--quantization int8` where they all take the AVX2,
+    AVX-512 or AMX int8 matmul (steps of any size: those take any row count). It
     holds the weight tensors the few-row kernel reads (`PackedLinear.small_read`), so a
     later move into huge pages (`rehome`, which swaps `.data`) is seen."""
 
-    INT8_PATHS = {"avx2": 1, "amx": 2}  # decode_layers_cpu.cpp's Int8Path
+    INT8_PATHS = {"avx2": 1, "amx": 2, "avx512": 3}  # decode_layers_cpu.cpp's Int8Path
 
     def __init__(self, model: CausalLM, call: Callable, int8_path: int) -> None:
         arch, none = model.arch, model.embed_tokens.new_empty(0)

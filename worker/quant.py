@@ -5,8 +5,9 @@ Each linear weight is quantized once, after loading and sharding (so under tenso
 parallelism each rank quantizes its own shard): symmetric, one float scale per
 output channel. At every call the activations are quantized per token (one scale
 per row, `Kernels.quantize_rows`), the int8 matmul runs on AMX's int8 tiles where the
-CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in our AVX2 kernel
-(subway_kernels/csrc/avx2_int8_cpu.cpp), else (no AVX2, VNNI) in oneDNN
+CPU has them (subway_kernels/csrc/amx_int8_cpu.cpp), else in our AVX-512 VNNI kernel
+(subway_kernels/csrc/avx512_int8_cpu.cpp: Zen 4, Ice Lake, Cascade Lake), else in our AVX2
+kernel (subway_kernels/csrc/avx2_int8_cpu.cpp), else (no AVX2, VNNI) in oneDNN
 (`onednn::qlinear_pointwise` on a prepacked weight), and each output row is scaled back. The lm_head is quantized too, from a smoothed copy (worker/smooth.py moves
 activation outliers into the weights first); embeddings, norms and attention stay in
 the model's dtype.
@@ -106,19 +107,23 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def choose_path(ops: object, in_features: int, want: str = "auto") -> str:
     """Which int8 matmul a weight of `in_features` inputs takes: AMX's tiles where the CPU
-    has them, else our AVX2 kernel, else oneDNN (with VNNI; without, its pairs of products
-    saturate). oneDNN comes last: torch's prepacked weight carries zero-point compensation
-    but not the s8-by-s8 one, so for our signed activations a CPU with VNNI and no AMX
-    (Zen 4, Ice Lake) runs oneDNN's reference matmul, about 1 s for 64 x 576 x 1536 where
-    the AVX2 kernel takes milliseconds. `want` forces one (tests, benchmarks) where it can
-    run."""
+    has them, else our AVX-512 VNNI kernel (any `in_features`), else our AVX2 kernel, else
+    oneDNN (with VNNI; without, its pairs of products saturate). On Zen 4 one linear on the
+    AVX-512 kernel runs 1.2x the AVX2 one's speed at one row (from L3; from memory both go
+    at memory's pace) and 2.4-2.8x at 16 and 64 rows, 1.6-2.1x our bfloat16 linear's
+    (tools/bench/bench_int8_paths.py). oneDNN comes last: torch's prepacked weight carries
+    zero-point compensation but not the s8-by-s8 one, so for our signed activations a CPU
+    with VNNI and no AMX (Zen 4, Ice Lake) runs oneDNN's reference matmul, about 1 s for
+    64 x 576 x 1536 where the AVX2 kernel takes milliseconds. `want` forces one (tests,
+    benchmarks) where it can run."""
     can = {
         "amx": in_features % 64 == 0 and ops.amx_int8_supported(),
+        "avx512": ops.avx512_int8_supported(),
         "onednn": onednn_int8(),
         "avx2": in_features % 4 == 0 and ops.avx2_int8_supported(),
     }
     if want == "auto":
-        for path in ("amx", "avx2", "onednn"):
+        for path in ("amx", "avx512", "avx2", "onednn"):
             if can[path]:
                 return path
         raise ValueError(f"no int8 matmul here for {in_features} inputs (no VNNI; AVX2 needs 4n)")
@@ -133,8 +138,9 @@ class Int8Linear:
     `__call__(x [rows, in], bias) -> [rows, out]` in x's dtype: x quantized per row
     (`quantize_rows`), the exact int8 sums, each output times its row's and its
     channel's scale, plus the bias. The weight is held once, packed for its path
-    (`choose_path`): as AMX tiles (`amx_int8_cpu.cpp`) or AVX2 strips (`avx2_int8_cpu.cpp`),
-    whose kernels round each output once, the same bits on both; or as oneDNN's prepacked
+    (`choose_path`): as AMX tiles (`amx_int8_cpu.cpp`), AVX-512 strips
+    (`avx512_int8_cpu.cpp`) or AVX2 strips (`avx2_int8_cpu.cpp`), whose kernels round each
+    output once, the same bits on all three; or as oneDNN's prepacked
     copy, which folds the channel scales in, and `rescale_rows_` then applies the row's.
     """
 
@@ -147,10 +153,15 @@ class Int8Linear:
         self.path = choose_path(ops, self.in_features, path)
         self._matmul = {
             "amx": ops.amx_int8_matmul,
+            "avx512": ops.avx512_int8_matmul,
             "avx2": ops.avx2_int8_matmul,
             "onednn": torch.ops.onednn.qlinear_pointwise,
         }[self.path]
-        pack = {"amx": ops.amx_int8_pack, "avx2": ops.avx2_int8_pack}.get(self.path)
+        pack = {
+            "amx": ops.amx_int8_pack,
+            "avx512": ops.avx512_int8_pack,
+            "avx2": ops.avx2_int8_pack,
+        }.get(self.path)
         self.packed = pack(q) if pack is not None else torch.ops.onednn.qlinear_prepack(q, None)
         self.zero_points = (
             torch.zeros(self.out_features, dtype=torch.int64) if self.path == "onednn" else None

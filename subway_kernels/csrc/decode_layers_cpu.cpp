@@ -6,7 +6,7 @@
 // calls between them leave Python. worker/model.py decides when it applies.
 //
 // Under `--quantization int8` each linear is Int8Linear's call instead (worker/quant.py):
-// the rows quantized (quantize_rows), then the AVX2 or AMX int8 matmul on the packed weight
+// the rows quantized (quantize_rows), then the AVX2, AVX-512 or AMX int8 matmul on the packed weight
 // with its channel scales; `int8_path` says which (0: the bfloat16 few-row linear).
 #include <ATen/ATen.h>
 #include <torch/types.h>  // bindings are in paged_decode_cpu.cpp
@@ -32,8 +32,11 @@ at::Tensor avx2_int8_matmul(const at::Tensor& xq, const at::Tensor& xs, const at
 at::Tensor amx_int8_matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wb,
                            const at::Tensor& ws, const c10::optional<at::Tensor>& bias,
                            at::ScalarType dtype);
+at::Tensor avx512_int8_matmul(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& wp,
+                              const at::Tensor& ws, const c10::optional<at::Tensor>& bias,
+                              at::ScalarType dtype);
 
-enum Int8Path : int64_t { kNoInt8 = 0, kAvx2Int8 = 1, kAmxInt8 = 2 };
+enum Int8Path : int64_t { kNoInt8 = 0, kAvx2Int8 = 1, kAmxInt8 = 2, kAvx512Int8 = 3 };
 
 static constexpr int64_t kWeights = 6;  // per layer: in norm, qkv, o, post norm, gate_up, down
 static constexpr int64_t kBiases = 4;   // per layer: qkv, o, gate_up, down (empty: none)
@@ -57,8 +60,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
                   static_cast<int64_t>(weights.size()) == layers * kWeights &&
                   static_cast<int64_t>(biases.size()) == layers * kBiases,
               "decode_layers: ", kWeights, " weights, ", kBiases, " biases and 2 caches a layer");
-  TORCH_CHECK(int8_path == kNoInt8 || int8_path == kAvx2Int8 || int8_path == kAmxInt8,
-              "decode_layers: int8_path is 0, 1 or 2");
+  TORCH_CHECK(int8_path == kNoInt8 || int8_path == kAvx2Int8 || int8_path == kAmxInt8 ||
+                  int8_path == kAvx512Int8,
+              "decode_layers: int8_path is 0, 1, 2 or 3");
   TORCH_CHECK(static_cast<int64_t>(scales.size()) == (int8_path == kNoInt8 ? 0 : layers * kBiases),
               "decode_layers: ", kBiases, " scales a layer under int8, none otherwise");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_layers: h is [rows, hidden]");
@@ -75,6 +79,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor position
     const int64_t i = l * kBiases + j;
     if (int8_path == kNoInt8) return small_linear(x, w, bias(i));
     auto [q, s] = quantize_rows(x);
+    if (int8_path == kAvx512Int8) return avx512_int8_matmul(q, s, w, scales[i], bias(i), x.scalar_type());
     return int8_path == kAvx2Int8 ? avx2_int8_matmul(q, s, w, scales[i], bias(i), x.scalar_type())
                                   : amx_int8_matmul(q, s, w, scales[i], bias(i), x.scalar_type());
   };
