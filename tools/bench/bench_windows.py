@@ -3,7 +3,7 @@ at once under the same `--kv-cache-memory`, with hybrid KV groups and without.
 
     python -m subway.tools.bench.bench_windows memory [--model DIR] [--tokens 4096]
     python -m subway.tools.bench.bench_windows serve [--model DIR] [--prompts 8]
-        [--prompt-len 4096] [--max-tokens 64] [--fit 2.2] [--rounds 2]
+        [--prompt-len 4096] [--max-tokens 64] [--fit 2.2] [--rounds 2] [--dtype bfloat16]
 
 `memory` replays a conversation (its first half prefilled in chunks of 512, the rest
 decoded a token a step) on the block manager with the model's KV groups and prints the
@@ -73,13 +73,13 @@ def memory(path: str, tokens: int, block_size: int, chunk: int) -> None:
     )
 
 
-def _engine(path: str, hybrid: bool, kv_bytes: int, threads: int):
+def _engine(path: str, hybrid: bool, kv_bytes: int, threads: int, dtype: str):
     from subway.ipc.config import EngineConfig
     from subway.llm import LLM
 
     config = EngineConfig.build(
         path=path, run_id=f"bw{int(hybrid)}", threads=threads, kv_cache_memory=kv_bytes,
-        hybrid_kv_cache=hybrid, enable_prefix_caching=False, max_num_seqs=64,
+        hybrid_kv_cache=hybrid, enable_prefix_caching=False, max_num_seqs=64, dtype=dtype,
     )  # fmt: skip
     return LLM(config)
 
@@ -118,13 +118,14 @@ def serve(args: argparse.Namespace) -> None:
     cfg = cfg.get("text_config", cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    per_token = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 2  # bfloat16 k and v
+    width = 4 if args.dtype == "float32" else 2
+    per_token = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * width  # k and v
     kv_bytes = int(args.fit * (args.prompt_len + args.max_tokens) * per_token)
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)]
                for _ in range(args.prompts)]  # fmt: skip
-    engines = {h: _engine(args.model, h, kv_bytes, args.threads) for h in (True, False)}
+    engines = {h: _engine(args.model, h, kv_bytes, args.threads, args.dtype) for h in (True, False)}
     print(f"{args.prompts} prompts of {args.prompt_len} tokens, {args.max_tokens} out; KV "
           f"budget {kv_bytes / 2**20:.0f} MiB = {args.fit} full-attention sequences; "
           f"pages: hybrid {engines[True].runner.num_blocks} of "
@@ -164,6 +165,7 @@ def main() -> None:
     s.add_argument("--fit", type=float, default=2.2, help="the KV budget, in full sequences")
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = p.parse_args()
     args.model = args.model or ensure_gemma3_270m()
     if args.what == "memory":
