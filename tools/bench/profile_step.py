@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     p.add_argument("--bf16-matmul", default="auto", choices=("auto", "native", "float32"))
     p.add_argument("--model", default="", help="an HF folder (default: the default model)")
+    p.add_argument("--top", type=int, default=0, help="also list the N functions taking most time")
     a = p.parse_args(argv)
     from subway.worker.default_model import ensure_default_model
 
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for group, t in shares.items():
         print(f"| {group} | {1e3 * t:.1f} | {t / total:.0%} |")
+    if a.top:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
 
 
 if __name__ == "__main__":
