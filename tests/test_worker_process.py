@@ -203,8 +203,8 @@ def test_the_memory_profile_covers_every_logit_row_a_step_can_ask():
 
     import numpy as np
 
-    from subway.worker.prompt_logprobs import PromptLogprobTracker
     from subway.worker.kv_pages import logit_rows_worst_case
+    from subway.worker.prompt_logprobs import PromptLogprobTracker
 
     config = EngineConfig.build(max_num_batched_tokens=96, max_num_seqs=8)
     budget = config.scheduler.max_num_batched_tokens
