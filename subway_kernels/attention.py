@@ -36,7 +36,7 @@ cap, is then computed explicitly (`_capped_attention`), and by SDPA as before wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -75,6 +75,7 @@ class WindowMetadata:
     decode_skip: torch.Tensor | None  # [num_decodes] int32: its keys before the window; None: 0
     decode_pad: torch.Tensor  # [num_decodes, blocks * block_size] bool: outside the window
     prefills: list[tuple[int, torch.Tensor | None]]  # per prefill: first block, [qlen, keys] mask
+    decode_cols: np.ndarray | None = None  # host: the table columns `decode_tables` took
 
 
 def build_metadata(
@@ -166,6 +167,26 @@ def _window_metadata(
         decode_skip=to(skip, torch.int32) if skip.any() else None,
         decode_pad=to(pad, torch.bool),
         prefills=windowed,
+        decode_cols=cols,
+    )
+
+
+def with_tables(md: AttentionMetadata, tables: np.ndarray, slots: np.ndarray) -> AttentionMetadata:
+    """`md` over other block tables: the same rows, windows and masks, `tables`' blocks and
+    `slots` (another KV group's pages: worker/kv_pages.py). CPU only (it reads
+    `decode_seqs` on the host)."""
+    dec = md.decode_seqs.numpy()
+    windows = {}
+    for w, wm in md.windows.items():
+        rows = tables[dec]
+        t = np.take_along_axis(rows, wm.decode_cols, axis=1) if rows.size else wm.decode_cols
+        windows[w] = replace(wm, decode_tables=torch.from_numpy(t.astype(np.int32)))
+    return replace(
+        md,
+        slot_mapping=torch.from_numpy(slots.astype(np.int64)),
+        block_tables=torch.from_numpy(tables.astype(np.int32)),
+        windows=windows,
+        per_layer=None,
     )
 
 

@@ -17,7 +17,12 @@ import torch
 from subway.ipc.config import EngineConfig, SchedulerConfig
 from subway.ipc.kv_groups import KVGroups, plan_groups, single_group
 from subway.ipc.messages import SamplingParams
-from subway.kernels.attention import AttentionMetadata, build_metadata, positions_and_slots
+from subway.kernels.attention import (
+    AttentionMetadata,
+    build_metadata,
+    positions_and_slots,
+    with_tables,
+)
 from subway.worker.kv_cache import allocate_kv_cache, block_bytes, cuda_kv_budget
 from subway.worker.model import KVCache
 from subway.worker.sampler import Sampler, SampleRequest
@@ -69,11 +74,20 @@ class KVPages:
         if G == 1:
             return build_metadata(qlens, ctx, tables, slots, block_size, device,
                                   self.group_windows[0])  # fmt: skip
-        mds = []
+        mds: list[AttentionMetadata] = []
+        built: dict[tuple[int, ...], AttentionMetadata] = {}  # one build per set of windows
         for k in range(G):
             t = np.ascontiguousarray(tables[:, k::G])
             s = slots if k == 0 else positions_and_slots(qlens, ctx, t, block_size)[1]
-            mds.append(build_metadata(qlens, ctx, t, s, block_size, device, self.group_windows[k]))
+            windows = self.group_windows[k]
+            like = built.get(windows)
+            if like is None:
+                like = built[windows] = build_metadata(
+                    qlens, ctx, t, s, block_size, device, windows
+                )
+                mds.append(like)
+            else:  # only the tables and slots differ
+                mds.append(with_tables(like, t, s))
         md = mds[0]
         md.per_layer = [mds[g] for g in self.groups.layer_group]
         return md
