@@ -2,6 +2,7 @@
 at once under the same `--kv-cache-memory`, with hybrid KV groups and without.
 
     python -m subway.tools.bench.bench_windows memory [--model DIR] [--tokens 4096]
+    python -m subway.tools.bench.bench_windows metadata [--model DIR] [--batch 64]
     python -m subway.tools.bench.bench_windows serve [--model DIR] [--prompts 8]
         [--prompt-len 4096] [--max-tokens 64] [--fit 2.2] [--rounds 2] [--dtype bfloat16]
 
@@ -12,6 +13,8 @@ blocks: pages x layers a page, against blocks x all layers). `serve` runs the mo
 this process (the `LLM` engine) on `--prompts` random prompts at once, with a KV budget
 of `--fit` full-attention sequences, the two layouts alternated for `--rounds` rounds:
 the most sequences running at once, preemptions, wall time and output tokens per second.
+`metadata` times a decode step's attention metadata (`KVPages.metadata`) at `--batch`
+decodes of 1,000 tokens, one group and the model's groups alternated.
 The default model is the real Gemma 3 270M (15 of its 18 layers slide over 512 tokens).
 """
 
@@ -71,6 +74,32 @@ def memory(path: str, tokens: int, block_size: int, chunk: int) -> None:
         f"its end ({end / full:.1%} of a full cache's {full}), at most "
         f"{peak * groups.page_layers} while decoding ({peak * groups.page_layers / full:.1%})"
     )
+
+
+def metadata(path: str, batch: int, rounds: int = 5) -> None:
+    import numpy as np
+    import torch
+
+    from subway.ipc.kv_groups import single_group
+    from subway.kernels.attention import positions_and_slots
+    from subway.worker.kv_pages import KVPages
+
+    windows, positions = layer_windows(path)
+    layouts = {"one group": single_group(len(windows)), "hybrid": plan_groups(windows, positions)}
+    qlens, ctx, nb = np.ones(batch, dtype=np.int64), np.full(batch, 1000), 1000 // 16 + 1
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for _ in range(rounds):
+        for name, groups in layouts.items():
+            pages, G = KVPages(groups, windows), groups.num_groups
+            tables = np.arange(batch * nb * G, dtype=np.int32).reshape(batch, nb * G)
+            slots = positions_and_slots(qlens, ctx, tables[:, ::G], 16)[1]
+            t0 = time.perf_counter()
+            for _ in range(200):
+                pages.metadata(qlens, ctx, tables, slots, 16, torch.device("cpu"))
+            times[name].append((time.perf_counter() - t0) / 200)
+    for name, ts in times.items():
+        print(f"{name:9s} ({layouts[name].num_groups} groups): {1e3 * statistics.median(ts):.3f} ms "
+              f"a step (median of {rounds}; {1e3 * min(ts):.3f}-{1e3 * max(ts):.3f})")  # fmt: skip
 
 
 def _engine(path: str, hybrid: bool, kv_bytes: int, threads: int, dtype: str):
@@ -154,7 +183,9 @@ def main() -> None:
     sub = p.add_subparsers(dest="what", required=True)
     m = sub.add_parser("memory")
     s = sub.add_parser("serve")
-    for q in (m, s):
+    md = sub.add_parser("metadata")
+    md.add_argument("--batch", type=int, default=64)
+    for q in (m, s, md):
         q.add_argument("--model", default=None, help="a Hugging Face folder (Gemma 3 270M)")
     m.add_argument("--tokens", type=int, default=4096)
     m.add_argument("--block-size", type=int, default=16)
@@ -170,6 +201,8 @@ def main() -> None:
     args.model = args.model or ensure_gemma3_270m()
     if args.what == "memory":
         memory(args.model, args.tokens, args.block_size, args.chunk)
+    elif args.what == "metadata":
+        metadata(args.model, args.batch)
     else:
         serve(args)
 
