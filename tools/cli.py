@@ -182,8 +182,18 @@ def one_engine(config: EngineConfig) -> EngineConfig:
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
-    """Fill in the default model (converting it on first use) and the served name."""
-    if config.model.path:
+    """Fill in the default model (converting it on first use) and the served name; a GGUF
+    file's folder (`worker/gguf_file.py`)."""
+    path = config.model.path
+    if path and path.lower().endswith(".gguf"):
+        from subway.worker.gguf_file import gguf_folder
+
+        name, served = os.path.basename(path), config.model.served_model_name
+        return config.replace(  # served as the file's name without .gguf, unless named
+            path=gguf_folder(path, config.model.dtype),
+            served_model_name=name[: -len(".gguf")] if served in ("", name) else served,
+        )
+    if path:
         return config
     from subway.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -260,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         from subway.tools.launch import serve
+        from subway.worker.gguf_file import GGUFError
 
-        config = resolve_model(config)
+        try:
+            config = resolve_model(config)
+        except GGUFError as e:  # a GGUF file that cannot be served as asked
+            parser.error(str(e))
         check_lora(config)
         return serve(config, demo=args.demo)
     from subway.tools.proc_title import set_title
