@@ -203,6 +203,16 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     )
 
 
+def resolve_or_usage(parser: argparse.ArgumentParser, config: EngineConfig) -> EngineConfig:
+    """`resolve_model`, a GGUF file that cannot be served as asked a usage error."""
+    from subway.worker.gguf_file import GGUFError
+
+    try:
+        return resolve_model(config)
+    except GGUFError as e:
+        parser.error(str(e))
+
+
 def bench_main(what: str, argv: list[str]) -> int:
     """`subway bench serve` (tools/bench/bench_serving.py) or `compare` (url_compare.py)."""
     if what == "serve":
@@ -270,12 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         from subway.tools.launch import serve
-        from subway.worker.gguf_file import GGUFError
 
-        try:
-            config = resolve_model(config)
-        except GGUFError as e:  # a GGUF file that cannot be served as asked
-            parser.error(str(e))
+        config = resolve_or_usage(parser, config)
         check_lora(config)
         return serve(config, demo=args.demo)
     from subway.tools.proc_title import set_title
