@@ -25,7 +25,14 @@ import numpy as np
 import pytest
 import torch
 from attention_ref import dense_attention, random_caches, sequence_kv
-from test_model_equality import MiniPlanner, _random_prompts, compare, hf_greedy
+from test_model_equality import (
+    MiniPlanner,
+    _random_prompts,
+    compare,
+    hf_greedy,
+    run_with_preemptions,
+)
+from test_sliding_window import check_prefix_hits_and_preemption
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
@@ -303,27 +310,6 @@ def _hf_logprobs(path: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tens
     return capped.log_softmax(-1), raw.log_softmax(-1)
 
 
-def _run_with_preemptions(planner: MiniPlanner, runner, at: tuple[int, ...]) -> dict:
-    """Run `planner`, preempting at steps `at` a sequence mid-decode (the last one dropping
-    its last token, as a scheduler's discarded token); per sequence, the logprob of each
-    token it kept (as the runner returned it)."""
-    logprobs: dict[int, list[float]] = {sid: [] for sid in planner.seqs}
-    while not planner.done():
-        if planner.step in at:
-            busy = [sid for sid, s in planner.seqs.items()
-                    if 2 <= len(s.generated) < s.max_new and s.computed]  # fmt: skip
-            assert busy
-            planner.preempt_at[planner.step] = (busy[0], planner.step == at[-1])
-            if planner.step == at[-1]:
-                logprobs[busy[0]].pop()
-        plan = planner.plan()
-        out = runner.execute(plan)
-        planner.apply(plan, out)
-        for sid, lp in zip(out.seq_ids, out.logprobs if out.seq_ids else [], strict=True):
-            logprobs[sid].append(lp)
-    return logprobs
-
-
 @pytest.mark.parametrize("cpu_ext", [True, False], ids=["compiled", "reference"])
 def test_greedy_matches_transformers(gemma2, cpu_ext):
     """Prompts up to 4x the window, arriving over steps; prefill in chunks of a 20-token
@@ -340,7 +326,7 @@ def test_greedy_matches_transformers(gemma2, cpu_ext):
     planner = MiniPlanner(budget=20, block_size=BLOCK_SIZE, groups=runner.pages.num_groups)
     for i, p in enumerate(prompts):
         planner.add(p, max_new, arrival=i // 2)
-    logprobs = _run_with_preemptions(planner, runner, at=(12, 19))
+    logprobs = run_with_preemptions(planner, runner, at=(12, 19))
     assert compare(planner, hf_greedy(gemma2, prompts, max_new)) == 0
     for sid, s in planner.seqs.items():
         capped, raw = _hf_logprobs(gemma2, s.tokens)
@@ -377,7 +363,7 @@ def test_the_caps_change_what_the_runner_computes(gemma2, tmp_path):
         for p in prompts:
             planner.add(p, 12)
         outs[name] = (
-            _run_with_preemptions(planner, runner, at=()),
+            run_with_preemptions(planner, runner, at=()),
             [s.generated for s in planner.seqs.values()],
         )
     assert outs["wide_attn"][1] != outs["capped"][1]
@@ -400,38 +386,17 @@ def _the_attention_cap_matters(path: str, prompts: list[list[int]], max_new: int
     )
 
 
-def _llm(path: str, **flat):
-    from subway.llm import LLM
-
-    config = EngineConfig.build(path=path, run_id="g2", block_size=BLOCK_SIZE, max_num_seqs=8,
-                                threads=1, **flat)  # fmt: skip
-    return LLM(config)
-
-
 def test_prefix_cache_hits_and_preemption_through_the_scheduler(gemma2):
-    """The real scheduler: the same long prompt twice (the second reads the first's blocks
-    from the cache), chunked under a 16-token budget, then a pool so small that sequences
-    preempt each other."""
+    """The same long prompt twice, the second reading the first's blocks from the cache;
+    a pool so small that sequences preempt each other (`check_prefix_hits_and_preemption`),
+    on prompts where the attention cap changes the output."""
     torch.set_num_threads(1)
     rng = random.Random(11)
     long = [rng.randrange(3, 49152) for _ in range(75)]
-    others = _prompts([40, 9], seed=12)
-    waves = [[long], [long, long[:52] + others[1], *others]]
-    max_new = 12
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    want = [reference.hf_greedy(gemma2, p, max_new).tokens for wave in waves for p in wave]
-    assert _the_attention_cap_matters(gemma2, [long, long[:52] + others[1]], max_new)
-    blocks_each = -(-(75 + max_new) // BLOCK_SIZE)
-    for blocks in (1024, blocks_each + 2):
-        engine = _llm(gemma2, enable_prefix_caching=True, num_kv_blocks=blocks,
-                      max_num_batched_tokens=16)  # fmt: skip
-        got = [o.token_ids for wave in waves for o in engine.generate(wave, sp, overlap=False)]
-        assert got == want, blocks
-        stats = engine.scheduler.engine_stats()
-        if blocks == 1024:  # the second long prompt: all its full blocks but the last
-            assert stats.prefix_cache_hits_total >= 75 // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
-        else:
-            assert stats.num_preempted_total > 0
+    mid, short = _prompts([40, 9], seed=12)
+    assert _the_attention_cap_matters(gemma2, [long, long[:52] + short], 12)
+    small = -(-(75 + 12) // BLOCK_SIZE) + 2  # a sequence's blocks and 2 more
+    check_prefix_hits_and_preemption(gemma2, BLOCK_SIZE, (long, mid, short), small)
 
 
 def test_speculative_drafts_are_capped_too(gemma2):

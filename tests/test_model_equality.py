@@ -123,6 +123,27 @@ class MiniPlanner:
             self.apply(plan, runner.execute(plan))
 
 
+def run_with_preemptions(planner: MiniPlanner, runner, at: tuple[int, ...]) -> dict:
+    """Run `planner`, preempting at each step of `at` a sequence mid-decode (the last one
+    dropping its last token, as a scheduler's discarded token); per sequence, the logprob
+    of each token it kept, where its sampling asked for them."""
+    logprobs: dict[int, list[float]] = {sid: [] for sid in planner.seqs}
+    while not planner.done():
+        if planner.step in at:
+            busy = [sid for sid, s in planner.seqs.items()
+                    if 2 <= len(s.generated) < s.max_new and s.computed]  # fmt: skip
+            assert busy, f"nothing to preempt at step {planner.step}"
+            planner.preempt_at[planner.step] = (busy[0], planner.step == at[-1])
+            if planner.step == at[-1] and logprobs[busy[0]]:
+                logprobs[busy[0]].pop()
+        plan = planner.plan()
+        out = runner.execute(plan)
+        planner.apply(plan, out)
+        for sid, lp in zip(out.seq_ids, out.logprobs or [], strict=False):
+            logprobs[sid].append(lp)
+    return logprobs
+
+
 def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list]]:
     """(tokens, per-step top-5 ids) of transformers' greedy generate, EOS ignored, per prompt."""
     refs = (reference.hf_greedy(path, p, max_new) for p in prompts)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from attention_ref import dense_attention, random_caches, sequence_kv
-from test_model_equality import MiniPlanner, compare, hf_greedy
+from test_model_equality import MiniPlanner, compare, hf_greedy, run_with_preemptions
 
 from subway.ipc.config import EngineConfig
 from subway.ipc.messages import SamplingParams
@@ -276,22 +276,6 @@ def test_transformers_reference_slides(windowed):
         assert differ, f"{kind}: its window does not change the output"
 
 
-def _run_with_preemptions(planner: MiniPlanner, runner, at: tuple[int, ...]) -> int:
-    """Run `planner`, preempting at steps `at` a sequence mid-decode (the last one dropping
-    its last token, as a scheduler's discarded token); how many were preempted."""
-    preempted = 0
-    while not planner.done():
-        if planner.step in at:
-            busy = [sid for sid, s in planner.seqs.items()
-                    if 2 <= len(s.generated) < s.max_new and s.computed]  # fmt: skip
-            if busy:
-                planner.preempt_at[planner.step] = (busy[0], planner.step == at[-1])
-                preempted += 1
-        plan = planner.plan()
-        planner.apply(plan, runner.execute(plan))
-    return preempted
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("cpu_ext", [True, False], ids=["compiled", "reference"])
 def test_greedy_matches_transformers_past_the_window(windowed, kind, cpu_ext):
@@ -311,47 +295,56 @@ def test_greedy_matches_transformers_past_the_window(windowed, kind, cpu_ext):
     planner = MiniPlanner(budget=20, block_size=block_size, groups=runner.pages.num_groups)
     for i, p in enumerate(prompts):
         planner.add(p, max_new, arrival=i // 2)
-    assert _run_with_preemptions(planner, runner, at=(12, 19)) == 2
+    run_with_preemptions(planner, runner, at=(12, 19))  # (asserts each preempts one)
     assert compare(planner, hf_greedy(path, prompts, max_new)) == 0
 
 
-def _llm(path: str, block_size: int, **flat):
+def check_prefix_hits_and_preemption(
+    path: str, block_size: int, prompts: tuple[list[int], list[int], list[int]], small: int
+) -> None:
+    """Through the real scheduler (float32, as transformers runs): a
+    long prompt, then it again beside a prompt sharing its start and two others (the
+    second reads the first's blocks from the cache), chunked under a 16-token budget, with
+    1024 blocks and with `small` ones, where sequences preempt each other; greedy output
+    equal to transformers' each time."""
     from subway.llm import LLM
 
-    config = EngineConfig.build(path=path, run_id="sw", block_size=block_size, max_num_seqs=8,
-                                threads=1, **flat)  # fmt: skip
-    return LLM(config)
-
-
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_prefix_cache_hits_and_preemption_through_the_scheduler(windowed, kind):
-    """The real scheduler: the same long prompt twice (the second reads the first's blocks,
-    before and inside the window, from the cache), chunked under a 16-token budget, then a
-    pool so small that sequences preempt each other."""
-    torch.set_num_threads(1)
-    path = windowed[kind]
-    block_size, _ = KINDS[kind]
-    rng = random.Random(3)
-    long = [rng.randrange(3, 49152) for _ in range(75)]
-    others = _prompts(49152, [40, 9], seed=4)
-    waves = [[long], [long, long[:52] + others[1], *others]]
+    long, mid, short = prompts
+    waves = [[long], [long, long[:52] + short, mid, short]]
     max_new = 12
     sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     want = [reference.hf_greedy(path, p, max_new).tokens for wave in waves for p in wave]
-    # The small pool: a sequence's blocks and 2 more. Mistral's one sliding group holds at
-    # most its window and a chunk: 11 blocks of 4 hold one sequence, and no more.
-    blocks_each = -(-(75 + max_new) // block_size)
-    small = blocks_each + 2 if kind == "gemma3" else 11
     for blocks in (1024, small):
-        engine = _llm(path, block_size, enable_prefix_caching=True, num_kv_blocks=blocks,
-                      max_num_batched_tokens=16)  # fmt: skip
+        config = EngineConfig.build(
+            path=path, run_id="sw", block_size=block_size, max_num_seqs=8, threads=1,
+            enable_prefix_caching=True, num_kv_blocks=blocks, max_num_batched_tokens=16,
+        )  # fmt: skip
+        engine = LLM(config)
         got = [o.token_ids for wave in waves for o in engine.generate(wave, sp, overlap=False)]
         assert got == want, blocks
         stats = engine.scheduler.engine_stats()
         if blocks == 1024:  # the second long prompt: all its full blocks but the last
-            assert stats.prefix_cache_hits_total >= 75 // block_size * block_size - block_size
+            n = len(long)
+            assert stats.prefix_cache_hits_total >= n // block_size * block_size - block_size
         else:
             assert stats.num_preempted_total > 0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_prefix_cache_hits_and_preemption_through_the_scheduler(windowed, kind):
+    """The same long prompt twice, its blocks before and inside the window read from the
+    cache; a pool so small that sequences preempt each other
+    (`check_prefix_hits_and_preemption`)."""
+    torch.set_num_threads(1)
+    block_size, _ = KINDS[kind]
+    rng = random.Random(3)
+    long = [rng.randrange(3, 49152) for _ in range(75)]
+    mid, short = _prompts(49152, [40, 9], seed=4)
+    # The small pool: a sequence's blocks and 2 more. Mistral's one sliding group holds at
+    # most its window and a chunk: 11 blocks of 4 hold one sequence, and no more.
+    blocks_each = -(-(75 + 12) // block_size)
+    small = blocks_each + 2 if kind == "gemma3" else 11
+    check_prefix_hits_and_preemption(windowed[kind], block_size, (long, mid, short), small)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
